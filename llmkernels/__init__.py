@@ -1,0 +1,5 @@
+"""llmkernels: fused Triton kernels for training and serving transformers."""
+from .ops.norm import layer_norm, rms_norm
+from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm
+
+__version__ = "0.1.0"

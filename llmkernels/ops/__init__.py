@@ -1,0 +1,1 @@
+"""Kernel families: one module per op family, kernels beside their launch code."""

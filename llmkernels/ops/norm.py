@@ -1,0 +1,550 @@
+"""RMSNorm and LayerNorm: one forward and one backward kernel family for both.
+
+Rows are the last dimension of ``x [..., N]``. Constexpr switches select RMS vs LayerNorm,
+a fused residual add (``h = x + residual``), weight, bias, per-head weights ``[H, D]`` and
+Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulate in fp32;
+``rstd`` (and ``mean``) are saved in fp32 for the backward.
+
+Two paths by row width:
+  - one pass: the whole row (several rows for small N) sits in registers; x is read once.
+  - blocked: rows wider than ``FWD_ONE_PASS_MAX`` / ``BWD_ONE_PASS_MAX`` loop over column
+    chunks. The forward reads the row a second time right after the first, from L2; the
+    backward computes the two row dot products in a first kernel, then dx and dW per chunk.
+The backward uses a persistent grid: each program loops over its rows, accumulating dW/dB in
+fp32 registers, and writes one ``[programs, N]`` partial that a small sum reduces.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ._common import as_rows, check_tensor, next_pow2, persistent_programs, use_kernels
+
+# Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
+# blocked loop. Chosen by measurement on H100 (benchmarks/results).
+FWD_ONE_PASS_MAX = 32768
+BWD_ONE_PASS_MAX = 16384
+FWD_CHUNK = 8192  # column chunk of the blocked forward
+BWD_CHUNK = 2048  # column chunk of the blocked backward
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _scale_shift(x_hat, W, B, w_offs, mask, weight_offset, in_ty: tl.constexpr,
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
+    """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama)."""
+    if QUANTIZE:
+        x_hat = x_hat.to(in_ty).to(tl.float32)
+    y = x_hat
+    if HAS_W:
+        y = y * (tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+    if HAS_B:
+        y = y + tl.load(B + w_offs, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, W, B, Y, H, MEAN, RSTD,
+    M, N, HEADS,
+    stride_x, stride_res, stride_y, stride_h,
+    eps, weight_offset,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    # The norm's input dtype: the residual stream's when there is one.
+    in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
+    if PER_HEAD:
+        w_row = (rows % HEADS).to(tl.int64)[:, None] * N
+    else:
+        w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
+
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+            h = (x + r.to(tl.float32)).to(in_ty)
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
+                         HAS_W, HAS_B, QUANTIZE)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: sum and sum of squares, shifted by the row's first element so that the
+        # LayerNorm variance does not cancel when |mean| >> std.
+        if IS_RMS:
+            shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+        acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            if HAS_RES:
+                r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+                h = (x + r.to(tl.float32)).to(in_ty)
+                tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask,
+                         eviction_policy="evict_last")
+                x = h.to(tl.float32)
+            xs = tl.where(mask, x - shift[:, None], 0.0)
+            acc_sum += xs
+            acc_sq += xs * xs
+        mean_shifted = tl.sum(acc_sum, axis=1) / N
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            var = tl.sum(acc_sq, axis=1) / N
+        else:
+            mean = shift + mean_shifted
+            var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        # Pass 2: normalize; the row was just read, so it comes from L2.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            if HAS_RES:
+                x = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+            y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :], mask,
+                             weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if not IS_RMS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
+
+
+@triton.jit
+def _norm_bwd_dots_kernel(
+    X, W, DY, MEAN, RSTD, DOTS,
+    N, HEADS, stride_x, stride_dy, weight_offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Blocked backward, step 1: per row, mean(x_hat * w*dy) and mean(w*dy) over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(RSTD + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(MEAN + row)
+    w_row = 0
+    if PER_HEAD:
+        w_row = (row % HEADS) * N
+    acc_xw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            dy = dy * (tl.load(W + w_row + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+        acc_xw += tl.where(mask, (x - mean) * rstd, 0.0) * dy
+        acc_w += dy
+    tl.store(DOTS + 2 * row, tl.sum(acc_xw, axis=0) / N)
+    tl.store(DOTS + 2 * row + 1, tl.sum(acc_w, axis=0) / N)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, DOTS,
+    rows_per_head, N, HEADS,
+    stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
+    weight_offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx (and dresidual), and this program's partial dW/dB over the rows it owns.
+
+    Grid: (programs, heads, column chunks). Program p of head h owns rows
+    ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row
+    dot products are computed here; with several they come from ``_norm_bwd_dots_kernel``.
+    """
+    prog = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    in_ty = X.dtype.element_ty
+    if HAS_W:
+        w = tl.load(W + head * N + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for tile in range(prog, tl.cdiv(rows_per_head, BLOCK_M), n_progs):
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = i < rows_per_head
+        rows = i.to(tl.int64) * HEADS + head
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            x_hat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            wdy = dy * w[None, :]
+            if QUANTIZE:
+                dw_acc += dy * x_hat.to(in_ty).to(tl.float32)
+            else:
+                dw_acc += dy * x_hat
+        else:
+            wdy = dy
+        if HAS_B:
+            db_acc += dy
+        if PRECOMPUTED_DOTS:
+            mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
+            mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
+        else:
+            mean_xw = tl.sum(x_hat * wdy, axis=1) / N
+            mean_w = tl.sum(wdy, axis=1) / N
+        if IS_RMS:
+            dx = (wdy - x_hat * mean_xw[:, None]) * rstd[:, None]
+        else:
+            dx = (wdy - x_hat * mean_xw[:, None] - mean_w[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DRES:
+            tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
+    part = prog.to(tl.int64) * HEADS * N + head * N + cols
+    if HAS_W:
+        tl.store(DW_PART + part, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_B:
+        tl.store(DB_PART + part, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# launch heuristics
+# --------------------------------------------------------------------------------------------
+def _fwd_config(n: int, m: int):
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass) for the forward of M rows of N elements."""
+    if n > FWD_ONE_PASS_MAX:
+        return 1, FWD_CHUNK, 16, False
+    block_n = max(16, next_pow2(n))
+    block_m = min(max(1, 8192 // block_n), next_pow2(m))
+    num_warps = min(32, max(4, block_m * block_n // 1024))
+    return block_m, block_n, num_warps, True
+
+
+def _bwd_config(n: int, m: int):
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass) for the backward."""
+    if n > BWD_ONE_PASS_MAX:
+        return 4, BWD_CHUNK, 8, False
+    block_n = max(16, next_pow2(n))
+    block_m = min(max(1, 4096 // block_n), next_pow2(m))
+    num_warps = min(32, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps, True
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: float, is_rms: bool,
+              quantize: bool, out_dtype: torch.dtype, h_dtype: Optional[torch.dtype], store_stats: bool):
+    """x, residual: [M, N] with unit column stride. Returns (y [M, N], h [M, N] or None,
+    mean [M] fp32 or None, rstd [M] fp32 or None)."""
+    m, n = x.shape
+    dev = x.device
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    h = torch.empty((m, n), dtype=h_dtype, device=dev) if residual is not None else None
+    rstd = torch.empty(m, dtype=torch.float32, device=dev) if store_stats else None
+    mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
+    if m == 0:
+        return y, h, mean, rstd
+    block_m, block_n, num_warps, one_pass = _fwd_config(n, m)
+    _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
+        y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
+        m, n, heads,
+        x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+        eps, weight_offset,
+        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        PER_HEAD=heads > 1, QUANTIZE=quantize, STORE_STATS=store_stats,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, num_warps=num_warps,
+    )
+    return y, h, mean, rstd
+
+
+def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weight_offset: float,
+              is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype]):
+    """Gradients of the forward above. ``xin [M, N]`` is the norm's input (``h`` with a
+    residual); ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``.
+    Returns (dx, dresidual or None, dweight or None, dbias [heads * N] fp32 or None)."""
+    m, n = xin.shape
+    dev = xin.device
+    dx = torch.empty((m, n), dtype=x_dtype, device=dev)
+    dres = None
+    if res_dtype is not None:
+        dres = dx if res_dtype == x_dtype else torch.empty((m, n), dtype=res_dtype, device=dev)
+    block_m, block_n, num_warps, one_pass = _bwd_config(n, m)
+    n_chunks = 1 if one_pass else triton.cdiv(n, block_n)
+    rows_per_head = m // heads
+    n_progs = max(1, min(triton.cdiv(rows_per_head, block_m),
+                         triton.cdiv(persistent_programs(dev, 4), heads * n_chunks)))
+    dw_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if weight is not None else None
+    db_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if has_bias else None
+    if m > 0:
+        dots = None
+        if not one_pass:
+            dots = torch.empty((m, 2), dtype=torch.float32, device=dev)
+            _norm_bwd_dots_kernel[(m,)](
+                xin, xin if weight is None else weight, dy, rstd if mean is None else mean, rstd, dots,
+                n, heads, xin.stride(0), dy.stride(0), weight_offset,
+                IS_RMS=is_rms, HAS_W=weight is not None, PER_HEAD=heads > 1, BLOCK_N=FWD_CHUNK, num_warps=16,
+            )
+        _norm_bwd_kernel[(n_progs, heads, n_chunks)](
+            xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
+            dx if dres is None or dres is dx else dres,
+            dx if dw_part is None else dw_part, dx if db_part is None else db_part,
+            rstd if mean is None else mean, rstd, rstd if dots is None else dots,
+            rows_per_head, n, heads,
+            xin.stride(0), dy.stride(0), 0 if dh is None else dh.stride(0), dx.stride(0),
+            0 if dres is None else dres.stride(0),
+            weight_offset,
+            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
+            HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize, PRECOMPUTED_DOTS=not one_pass,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    elif dw_part is not None or db_part is not None:
+        dw_part = None if dw_part is None else dw_part.zero_()
+        db_part = None if db_part is None else db_part.zero_()
+    dw = None if weight is None else dw_part.sum(0).view(weight.shape).to(weight.dtype)
+    db = None if db_part is None else db_part.sum(0)
+    return dx, dres, dw, db
+
+
+# --------------------------------------------------------------------------------------------
+# autograd: an autograd.Function for eager mode, and the same launchers registered as custom
+# ops for torch.compile (no graph break: the compiler sees two opaque ops with fake kernels).
+# --------------------------------------------------------------------------------------------
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+        store_stats = any(ctx.needs_input_grad[:4])
+        y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
+                                     out_dtype, h_dtype, store_stats)
+        if store_stats:
+            ctx.save_for_backward(x if h is None else h, weight, mean, rstd)
+            ctx.options = (bias, residual, heads, weight_offset, is_rms, quantize, x.dtype)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        xin, weight, mean, rstd = ctx.saved_tensors
+        bias, residual, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
+        n = xin.shape[1]
+        dx, dres, dw, db = _norm_bwd(
+            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight, bias is not None, mean, rstd,
+            heads, weight_offset, is_rms, quantize, x_dtype, None if residual is None else residual.dtype)
+        db = None if db is None else db.view(bias.shape).to(bias.dtype)
+        return dx, dw, db, dres, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("llmkernels::norm_fwd", mutates_args=())
+def _norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 residual: Optional[torch.Tensor], heads: int, eps: float, weight_offset: float, is_rms: bool,
+                 quantize: bool, out_dtype: torch.dtype,
+                 h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
+                                 out_dtype, h_dtype, True)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return y, (empty if h is None else h), (empty if mean is None else mean), rstd
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+    m, n = x.shape
+    empty = x.new_empty(0, dtype=torch.float32)
+    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else empty
+    mean = empty if is_rms else x.new_empty(m, dtype=torch.float32)
+    return x.new_empty((m, n), dtype=out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("llmkernels::norm_bwd", mutates_args=())
+def _norm_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, weight: Optional[torch.Tensor],
+                 has_bias: bool, mean: Optional[torch.Tensor], rstd: torch.Tensor, heads: int, weight_offset: float,
+                 is_rms: bool, quantize: bool, x_dtype: torch.dtype,
+                 res_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms,
+                                 quantize, x_dtype, res_dtype)
+    empty = xin.new_empty(0, dtype=torch.float32)
+    # custom ops may not return aliases of each other: copy dres where the launcher shares dx.
+    dres = empty if dres is None else (dres.clone() if dres is dx else dres)
+    return dx, dres, (empty if dw is None else dw), (empty if db is None else db)
+
+
+@_norm_bwd_op.register_fake
+def _(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype, res_dtype):
+    m, n = xin.shape
+    empty = xin.new_empty(0, dtype=torch.float32)
+    dres = empty if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype)
+    dw = empty if weight is None else weight.new_empty(weight.shape)
+    db = xin.new_empty(heads * n, dtype=torch.float32) if has_bias else empty
+    return xin.new_empty((m, n), dtype=x_dtype), dres, dw, db
+
+
+def _norm_op_setup_context(ctx, inputs, output):
+    x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype = inputs
+    y, h, mean, rstd = output
+    ctx.save_for_backward(x if residual is None else h, weight, None if is_rms else mean, rstd)
+    ctx.options = (None if bias is None else (bias.shape, bias.dtype),
+                   None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize, x.dtype)
+
+
+def _norm_op_backward(ctx, dy, dh, dmean, drstd):
+    xin, weight, mean, rstd = ctx.saved_tensors
+    bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
+    has_dh = res_dtype is not None and dh is not None
+    dx, dres, dw, db = _norm_bwd_op(dy.contiguous(), dh.contiguous() if has_dh else None, xin, weight,
+                                    bias_meta is not None, mean, rstd, heads, weight_offset, is_rms, quantize,
+                                    x_dtype, res_dtype)
+    db = None if bias_meta is None else db.view(bias_meta[0]).to(bias_meta[1])
+    return (dx, dw if weight is not None else None, db,
+            dres if res_dtype is not None else None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("llmkernels::norm_fwd", _norm_op_backward, setup_context=_norm_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def _check_norm_args(x, weight, bias, residual, eps, casting) -> int:
+    """Validate; return the number of heads (1 unless weight is per-head ``[H, D]``)."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalized one)")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("x's last dimension (the normalized one) is empty")
+    if casting not in reference.NORM_CASTINGS:
+        raise ValueError(f"casting must be one of {reference.NORM_CASTINGS}, got {casting!r}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    heads = 1
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_tensor(name, p, like=x)
+        if p.dim() == 1 and p.shape[0] == n:
+            continue
+        if p.dim() == 2 and x.dim() >= 2 and tuple(p.shape) == tuple(x.shape[-2:]):
+            heads = p.shape[0]
+            continue
+        raise ValueError(f"{name} must have shape [{n}] (x's last dim) or [H, D] = x's last two dims "
+                         f"{list(x.shape[-2:])} for per-head norm; got {list(p.shape)}")
+    if weight is not None and bias is not None and weight.shape != bias.shape:
+        raise ValueError(f"bias shape {list(bias.shape)} must match weight shape {list(weight.shape)}")
+    if residual is not None:
+        check_tensor("residual", residual, like=x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {list(residual.shape)} must equal x's shape {list(x.shape)}")
+    return heads
+
+
+def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting, out_dtype):
+    heads = _check_norm_args(x, weight, bias, residual, eps, casting)
+    if not use_kernels(x) or x.dtype == torch.float64:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        fn = reference.rms_norm if is_rms else reference.layer_norm
+        return fn(x, weight, bias, eps=eps, residual=residual, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+                  weight_offset=weight_offset, casting=casting, out_dtype=out_dtype, compute_dtype=compute)
+    weight_offset, out_dtype, h_dtype = reference.resolve_norm_dtypes(
+        x, weight, residual, casting=casting, weight_offset=weight_offset, out_dtype=out_dtype,
+        residual_in_fp32=residual_in_fp32)
+    shape, n = x.shape, x.shape[-1]
+    # Per-head weights are indexed by row % H, so they need contiguous [H, D] rows.
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    args = (as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), heads, float(eps),
+            weight_offset, is_rms, casting == "llama", out_dtype, h_dtype)
+    if torch.compiler.is_compiling():
+        y, h, _, _ = _norm_fwd_op(*args)
+        h = h if residual is not None else None
+    else:
+        y, h = _NormFunction.apply(*args)
+    y = y.view(shape)
+    if not prenorm:
+        return y
+    if h is None:
+        h = x.to(torch.float32) if residual_in_fp32 else x
+    else:
+        h = h.view(shape)
+    return y, h
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+             eps: float = 1e-6, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
+             residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "llama",
+             out_dtype: Optional[torch.dtype] = None):
+    """RMSNorm over the last dimension, with an optional fused residual add.
+
+    ``y = q(x_hat) * (weight + weight_offset) + bias`` with ``x_hat = h / sqrt(mean(h^2) + eps)``
+    and ``h = x`` or ``h = x + residual``.
+
+    Args:
+        x: ``[..., N]`` float32/bfloat16/float16 (float64 runs the reference). Rows may be
+            strided (a slice of a bigger tensor) as long as the last dim has unit stride.
+        weight: ``[N]``, or ``[H, D]`` for a per-head (QK) norm over ``x [..., H, D]``; any
+            float dtype (fp32 master weights with bf16 activations is fine). ``None``: no scale.
+        bias: same shape as weight (or ``[N]``); optional.
+        eps: added to the mean square, >= 0.
+        residual: same shape as x; ``h = x + residual`` is normalized instead of x.
+        prenorm: return ``(y, h)``: the pre-norm transformer block's next residual stream.
+        residual_in_fp32: keep ``h`` in float32 (else the wider of x's and residual's dtype).
+        weight_offset: added to weight (Gemma's ``1 + weight``); default 1.0 for
+            ``casting="gemma"``, else 0.0.
+        casting: ``"llama"`` (HF LlamaRMSNorm exactly: ``weight * x_hat.to(input_dtype)``),
+            ``"gemma"`` (``x_hat * (1 + weight)`` in fp32, one cast) or ``"none"`` (fp32
+            throughout, one final cast).
+        out_dtype: dtype of y; default as the matching HF module returns it (llama: the wider of
+            weight and input dtype; otherwise the input dtype).
+
+    Returns:
+        ``y [..., N]``, or ``(y, h)`` when ``prenorm``. Differentiable in x, weight, bias and
+        residual.
+    """
+    return _norm(x, weight, bias, residual, is_rms=True, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+               eps: float = 1e-5, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
+               residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "none",
+               out_dtype: Optional[torch.dtype] = None):
+    """LayerNorm over the last dimension, with an optional fused residual add.
+
+    ``y = x_hat * (weight + weight_offset) + bias``, ``x_hat = (h - mean(h)) / sqrt(var(h) + eps)``.
+    Arguments and shapes as ``rms_norm``; the default ``casting="none"`` matches
+    ``torch.nn.functional.layer_norm`` (fp32 arithmetic, one final cast to x's dtype).
+    """
+    return _norm(x, weight, bias, residual, is_rms=False, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)

@@ -1,0 +1,82 @@
+"""Plain-PyTorch definitions of every llmkernels op.
+
+This module is the single source of truth for what each op computes. Tests run it in float64
+against the kernels, the benchmark uses it as the "eager" and "torch.compile" providers, and
+the public functions fall back to it for CPU tensors when Triton's interpreter is not enabled.
+
+Every function takes the same arguments as its kernel counterpart plus ``compute_dtype``: the
+precision of the arithmetic (float32 for the CPU fallback, float64 in tests). Rounding that is
+part of the op's definition (Llama's ``x_hat.to(input_dtype)``, the residual stream stored in
+its own dtype) happens at the same points whatever ``compute_dtype`` is.
+"""
+from __future__ import annotations
+
+import torch
+
+NORM_CASTINGS = ("llama", "gemma", "none")
+
+
+def resolve_norm_dtypes(x, weight, residual, *, casting, weight_offset, out_dtype, residual_in_fp32):
+    """Fill in the defaults that depend on the inputs.
+
+    Returns ``(weight_offset, out_dtype, h_dtype)``:
+      - weight_offset: 1.0 for ``casting="gemma"`` (``x_hat * (1 + weight)``), else 0.0, unless given.
+      - out_dtype: as the matching Hugging Face module returns it: for ``"llama"``
+        ``weight * x_hat.to(input_dtype)`` promotes to the wider of weight and input dtype; the
+        other modes return the input dtype.
+      - h_dtype: dtype of the residual stream ``h = x + residual`` (float32 when
+        ``residual_in_fp32``, else the wider of x and residual); ``None`` without a residual.
+    """
+    if weight_offset is None:
+        weight_offset = 1.0 if casting == "gemma" else 0.0
+    h_dtype = None
+    if residual is not None:
+        h_dtype = torch.float32 if residual_in_fp32 else torch.promote_types(x.dtype, residual.dtype)
+    if out_dtype is None:
+        in_dtype = h_dtype or x.dtype
+        out_dtype = torch.promote_types(in_dtype, weight.dtype) if (casting == "llama" and weight is not None) else in_dtype
+    return float(weight_offset), out_dtype, h_dtype
+
+
+def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting,
+          out_dtype, compute_dtype):
+    weight_offset, out_dtype, h_dtype = resolve_norm_dtypes(
+        x, weight, residual, casting=casting, weight_offset=weight_offset, out_dtype=out_dtype,
+        residual_in_fp32=residual_in_fp32)
+    if residual is not None:
+        h = (x.to(compute_dtype) + residual.to(compute_dtype)).to(h_dtype)
+        in_dtype = h_dtype
+    else:
+        h = x
+        in_dtype = x.dtype
+    hc = h.to(compute_dtype)
+    if is_rms:
+        x_hat = hc * torch.rsqrt(hc.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        centered = hc - hc.mean(-1, keepdim=True)
+        x_hat = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "llama":
+        x_hat = x_hat.to(in_dtype).to(compute_dtype)
+    y = x_hat
+    if weight is not None:
+        y = y * (weight.to(compute_dtype) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    y = y.to(out_dtype)
+    return (y, h) if prenorm else y
+
+
+def rms_norm(x, weight=None, bias=None, *, eps=1e-6, residual=None, prenorm=False, residual_in_fp32=False,
+             weight_offset=None, casting="llama", out_dtype=None, compute_dtype=torch.float32):
+    """RMSNorm of ``x [..., N]`` (optionally of ``x + residual``); see ``llmkernels.rms_norm``."""
+    return _norm(x, weight, bias, residual, is_rms=True, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting,
+                 out_dtype=out_dtype, compute_dtype=compute_dtype)
+
+
+def layer_norm(x, weight=None, bias=None, *, eps=1e-5, residual=None, prenorm=False, residual_in_fp32=False,
+               weight_offset=None, casting="none", out_dtype=None, compute_dtype=torch.float32):
+    """LayerNorm of ``x [..., N]`` (optionally of ``x + residual``); see ``llmkernels.layer_norm``."""
+    return _norm(x, weight, bias, residual, is_rms=False, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting,
+                 out_dtype=out_dtype, compute_dtype=compute_dtype)

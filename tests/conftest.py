@@ -1,0 +1,24 @@
+"""Test setup: kernels run on CUDA when there is a GPU, else through Triton's interpreter on CPU
+tensors (TRITON_INTERPRET must be set before triton is imported, so it is set here)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter rounds fp32 -> bf16 toward zero; the GPU rounds to nearest even. Results
+# that are exact on the GPU may differ by one bf16 ulp under the interpreter.
+INTERPRETED = DEVICE == "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)

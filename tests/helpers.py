@@ -1,0 +1,38 @@
+"""Comparison helpers shared by the test modules."""
+import torch
+
+# ||out - ref|| / ||ref|| bounds per dtype of the tensor under test (outputs and gradients).
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-12}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, scale: float = 1.0):
+    """Relative-norm check at the tolerance of ``dtype`` (times ``scale``), plus NaN/inf and
+    shape checks; max-abs error is reported on failure."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{name}: non-finite values (an unwritten or poisoned output?)"
+    err = rel_err(out, ref)
+    tol = REL_TOL[dtype] * scale
+    max_abs = (out.double().cpu() - ref.double().cpu()).abs().max().item() if out.numel() else 0.0
+    assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e} (max abs {max_abs:.3e})"
+
+
+def poison_empty(monkeypatch):
+    """Make torch.empty / empty_like return NaN-filled (or max-int) tensors, so an output element
+    the kernel forgets to write shows up as NaN instead of passing on leftover memory."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))

@@ -5,18 +5,21 @@ import torch
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-12}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||out - ref|| / max(||ref||, floor): ``floor`` keeps a reference that is zero up to
+    rounding (e.g. dx of a 1-element RMSNorm) from turning noise into a large relative error."""
     out, ref = out.double().cpu(), ref.double().cpu()
-    denom = ref.norm().item()
+    denom = max(ref.norm().item(), floor)
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, scale: float = 1.0):
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, scale: float = 1.0,
+                 floor: float = 0.0):
     """Relative-norm check at the tolerance of ``dtype`` (times ``scale``), plus NaN/inf and
     shape checks; max-abs error is reported on failure."""
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(out).all(), f"{name}: non-finite values (an unwritten or poisoned output?)"
-    err = rel_err(out, ref)
+    err = rel_err(out, ref, floor)
     tol = REL_TOL[dtype] * scale
     max_abs = (out.double().cpu() - ref.double().cpu()).abs().max().item() if out.numel() else 0.0
     assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e} (max abs {max_abs:.3e})"

@@ -255,13 +255,13 @@ def _fwd_config(n: int, m: int):
 
 
 def _bwd_config(n: int, m: int):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass) for the backward."""
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the backward."""
     if n > BWD_ONE_PASS_MAX:
-        return 4, BWD_CHUNK, 8, False
+        return 4, BWD_CHUNK, 8, False, 4
     block_n = max(16, next_pow2(n))
     block_m = min(max(1, 4096 // block_n), next_pow2(m))
     num_warps = min(32, max(4, block_m * block_n // 512))
-    return block_m, block_n, num_warps, True
+    return block_m, block_n, num_warps, True, 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,21 +294,25 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
 
 
 def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weight_offset: float,
-              is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype]):
+              is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
+              share_dres: bool = False):
     """Gradients of the forward above. ``xin [M, N]`` is the norm's input (``h`` with a
     residual); ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``.
+    ``share_dres``: return dx itself as dresidual when the dtypes match (saves a write; only
+    safe when neither input is a leaf whose ``.grad`` would then alias the other's).
     Returns (dx, dresidual or None, dweight or None, dbias [heads * N] fp32 or None)."""
     m, n = xin.shape
     dev = xin.device
     dx = torch.empty((m, n), dtype=x_dtype, device=dev)
     dres = None
     if res_dtype is not None:
-        dres = dx if res_dtype == x_dtype else torch.empty((m, n), dtype=res_dtype, device=dev)
-    block_m, block_n, num_warps, one_pass = _bwd_config(n, m)
+        share = share_dres and res_dtype == x_dtype
+        dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
+    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m)
     n_chunks = 1 if one_pass else triton.cdiv(n, block_n)
     rows_per_head = m // heads
     n_progs = max(1, min(triton.cdiv(rows_per_head, block_m),
-                         triton.cdiv(persistent_programs(dev, 4), heads * n_chunks)))
+                         triton.cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
     dw_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if weight is not None else None
     db_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if has_bias else None
     if m > 0:
@@ -347,25 +351,28 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
 # --------------------------------------------------------------------------------------------
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+    def forward(ctx, x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype,
+                share_dres):
         store_stats = any(ctx.needs_input_grad[:4])
         y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
                                      out_dtype, h_dtype, store_stats)
         if store_stats:
             ctx.save_for_backward(x if h is None else h, weight, mean, rstd)
-            ctx.options = (bias, residual, heads, weight_offset, is_rms, quantize, x.dtype)
+            ctx.options = (None if bias is None else (bias.shape, bias.dtype),
+                           None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize,
+                           x.dtype, share_dres)
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
         xin, weight, mean, rstd = ctx.saved_tensors
-        bias, residual, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
+        bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype, share_dres = ctx.options
         n = xin.shape[1]
         dx, dres, dw, db = _norm_bwd(
-            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight, bias is not None, mean, rstd,
-            heads, weight_offset, is_rms, quantize, x_dtype, None if residual is None else residual.dtype)
-        db = None if db is None else db.view(bias.shape).to(bias.dtype)
-        return dx, dw, db, dres, None, None, None, None, None, None, None
+            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight, bias_meta is not None, mean, rstd,
+            heads, weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres)
+        db = None if bias_meta is None else db.view(bias_meta[0]).to(bias_meta[1])
+        return dx, dw, db, dres, None, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("llmkernels::norm_fwd", mutates_args=())
@@ -393,11 +400,11 @@ def _norm_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor
                  has_bias: bool, mean: Optional[torch.Tensor], rstd: torch.Tensor, heads: int, weight_offset: float,
                  is_rms: bool, quantize: bool, x_dtype: torch.dtype,
                  res_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Custom ops may not return outputs that alias each other: dresidual gets its own buffer.
     dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms,
                                  quantize, x_dtype, res_dtype)
     empty = xin.new_empty(0, dtype=torch.float32)
-    # custom ops may not return aliases of each other: copy dres where the launcher shares dx.
-    dres = empty if dres is None else (dres.clone() if dres is dx else dres)
+    dres = empty if dres is None else dres
     return dx, dres, (empty if dw is None else dw), (empty if db is None else db)
 
 
@@ -490,7 +497,9 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
         y, h, _, _ = _norm_fwd_op(*args)
         h = h if residual is not None else None
     else:
-        y, h = _NormFunction.apply(*args)
+        # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
+        share_dres = residual is not None and not (x.is_leaf or residual.is_leaf)
+        y, h = _NormFunction.apply(*args, share_dres)
     y = y.view(shape)
     if not prenorm:
         return y

@@ -1,0 +1,328 @@
+"""RMSNorm / LayerNorm kernels against the float64 reference: every shape class, dtype, option
+and gradient; outputs poisoned with NaN before the kernels write them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmkernels as lk
+from llmkernels import reference
+from llmkernels.ops import norm as norm_ops
+from tests.conftest import INTERPRETED
+from tests.helpers import REL_TOL, assert_close, poison_empty
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    poison_empty(monkeypatch)
+
+
+def _tol_dtype(*dtypes):
+    """The least precise of the dtypes involved sets the tolerance."""
+    return max((d for d in dtypes if d is not None), key=lambda d: REL_TOL[d])
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def check_norm(is_rms, x, weight=None, bias=None, residual=None, *, prenorm=False, **opts):
+    """Run the kernel and the float64 reference on the same leaves; compare y (and h), then
+    every gradient for random upstream gradients."""
+    fn, ref_fn = (lk.rms_norm, reference.rms_norm) if is_rms else (lk.layer_norm, reference.layer_norm)
+    leaves = {k: _leaf(v) for k, v in dict(x=x, weight=weight, bias=bias, residual=residual).items() if v is not None}
+    ref_leaves = {k: _leaf(v) for k, v in leaves.items()}
+    out = fn(leaves["x"], leaves.get("weight"), leaves.get("bias"), residual=leaves.get("residual"),
+             prenorm=prenorm, **opts)
+    ref_opts = dict(opts)
+    ref_opts.setdefault("out_dtype", out[0].dtype if prenorm else out.dtype)
+    ref = ref_fn(ref_leaves["x"], ref_leaves.get("weight"), ref_leaves.get("bias"),
+                 residual=ref_leaves.get("residual"), prenorm=prenorm, compute_dtype=torch.float64, **ref_opts)
+    outs = out if prenorm else (out,)
+    refs = ref if prenorm else (ref,)
+    tol = _tol_dtype(x.dtype, None if residual is None else residual.dtype, outs[0].dtype)
+    for name, o, r in zip(("y", "h"), outs, refs):
+        assert o.dtype == r.dtype, f"{name}: dtype {o.dtype} != reference {r.dtype}"
+        assert_close(o, r, tol, name)
+    if x.shape[:-1].numel() == 0:
+        return
+    grads_out = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads_out)
+    torch.autograd.backward(refs, grads_out)
+    # Gradients that are zero up to rounding (dx when N == 1) are judged against the scale of
+    # the upstream gradient instead of their own norm.
+    floor = 1e-3 * sum(g.double().norm().item() for g in grads_out)
+    for k in leaves:
+        assert leaves[k].grad is not None, f"no gradient for {k}"
+        assert leaves[k].grad.dtype == leaves[k].dtype
+        assert_close(leaves[k].grad, ref_leaves[k].grad, _tol_dtype(tol, leaves[k].dtype), f"d{k}", floor=floor)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 4096, 5120])
+@pytest.mark.parametrize("m", [0, 1, 3, 257])
+def test_shapes(is_rms, m, n, device):
+    dtype = DTYPES[(m + n) % 3]
+    x = torch.randn(m, n, device=device, dtype=dtype) * 2 + 0.5
+    w = torch.randn(n, device=device, dtype=dtype)
+    b = torch.randn(n, device=device, dtype=dtype) if not is_rms else None
+    check_norm(is_rms, x, w, b)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=str)
+def test_dtypes_weight_bias(is_rms, dtype, w_dtype, device):
+    x = torch.randn(5, 3, 96, device=device, dtype=dtype)
+    w = torch.randn(96, device=device, dtype=w_dtype)
+    b = torch.randn(96, device=device, dtype=w_dtype)
+    check_norm(is_rms, x, w, b)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("casting", ["llama", "gemma", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_casting(is_rms, casting, dtype, device):
+    x = torch.randn(4, 2, 200, device=device, dtype=dtype)
+    w = torch.randn(200, device=device, dtype=torch.float32) * 0.1
+    check_norm(is_rms, x, w, casting=casting)
+    check_norm(is_rms, x, w, casting=casting, weight_offset=0.5, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_no_weight_and_bias_only(is_rms, device):
+    x = torch.randn(9, 130, device=device, dtype=torch.bfloat16)
+    check_norm(is_rms, x)
+    check_norm(is_rms, x, None, torch.randn(130, device=device))
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("prenorm", [True, False])
+@pytest.mark.parametrize("residual_in_fp32", [True, False])
+@pytest.mark.parametrize("res_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_residual(is_rms, prenorm, residual_in_fp32, res_dtype, device):
+    x = torch.randn(2, 17, 384, device=device, dtype=torch.bfloat16)
+    res = torch.randn(2, 17, 384, device=device, dtype=res_dtype)
+    w = torch.randn(384, device=device)
+    b = None if is_rms else torch.randn(384, device=device)
+    check_norm(is_rms, x, w, b, res, prenorm=prenorm, residual_in_fp32=residual_in_fp32)
+
+
+def test_prenorm_without_residual_returns_input(device):
+    x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)
+    y, h = lk.rms_norm(x, torch.randn(64, device=device), prenorm=True)
+    assert h is x
+    _, h32 = lk.rms_norm(x, torch.randn(64, device=device), prenorm=True, residual_in_fp32=True)
+    assert h32.dtype == torch.float32 and torch.equal(h32, x.float())
+
+
+def test_residual_h_is_exact_sum(device):
+    """h = x + residual rounded once to its dtype: exact on the GPU, within one bf16 ulp under
+    the interpreter (which rounds bf16 toward zero)."""
+    x = torch.randn(64, 512, device=device, dtype=torch.bfloat16)
+    r = torch.randn(64, 512, device=device, dtype=torch.bfloat16)
+    _, h = lk.rms_norm(x, torch.ones(512, device=device), residual=r, prenorm=True)
+    expected = (x.float() + r.float()).to(torch.bfloat16)
+    if INTERPRETED:
+        ulp = expected.float().abs() * 2.0 ** -7
+        assert ((h.float() - expected.float()).abs() <= ulp).all()
+    else:
+        assert torch.equal(h, expected)
+
+
+def test_residual_grads_do_not_alias(device):
+    x = torch.randn(4, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(4, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y, h = lk.rms_norm(x, torch.ones(64, device=device), residual=r, prenorm=True)
+    (y.float().sum() + h.float().sum()).backward()
+    assert torch.equal(x.grad, r.grad)
+    x.grad.add_(1.0)
+    assert not torch.equal(x.grad, r.grad), "x.grad and residual.grad share storage"
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_blocked_wide_rows(is_rms, dtype, device):
+    """Rows wider than the one-pass limits take the blocked loops (forward and backward)."""
+    n = 70001
+    assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
+    x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
+    res = torch.randn(3, n, device=device, dtype=dtype)
+    w = torch.randn(n, device=device)
+    b = None if is_rms else torch.randn(n, device=device)
+    check_norm(is_rms, x, w, b, res, prenorm=True)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_blocked_path_forced(is_rms, device, monkeypatch):
+    """The blocked kernels at a small width (limits lowered), with several rows per head."""
+    monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_ops, "FWD_CHUNK", 32)
+    monkeypatch.setattr(norm_ops, "BWD_CHUNK", 32)
+    x = torch.randn(2, 5, 3, 100, device=device, dtype=torch.float32)
+    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
+    check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_per_head_weight(is_rms, device):
+    """QK norm: weight [H, D] over x [..., H, D], each head its own scale."""
+    x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4, 32, device=device)
+    b = torch.randn(4, 32, device=device)
+    check_norm(is_rms, x, w, b)
+    check_norm(is_rms, x, w, b, casting="gemma")
+
+
+def test_shared_head_weight(device):
+    """Qwen3-style QK norm: weight [D] shared by every head of x [B, S, H, D]."""
+    x = torch.randn(2, 7, 8, 64, device=device, dtype=torch.bfloat16)
+    check_norm(True, x, torch.randn(64, device=device))
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_strided_rows(is_rms, device):
+    """A slice of a bigger tensor (e.g. of a fused projection): rows with a stride, no copy."""
+    big = torch.randn(6, 4, 3 * 160, device=device, dtype=torch.bfloat16)
+    x = big[..., 160:320]
+    assert not x.is_contiguous()
+    res_big = torch.randn(6, 4, 2 * 160, device=device, dtype=torch.bfloat16)
+    check_norm(is_rms, x, torch.randn(160, device=device), torch.randn(160, device=device), res_big[..., :160],
+               prenorm=True)
+    check_norm(is_rms, x.transpose(0, 1), torch.randn(160, device=device))  # leading dims that don't merge
+
+
+def test_4d_input(device):
+    x = torch.randn(2, 3, 4, 48, device=device, dtype=torch.float16)
+    check_norm(True, x, torch.randn(48, device=device, dtype=torch.float16))
+    check_norm(False, x, torch.randn(48, device=device), torch.randn(48, device=device))
+
+
+def test_no_grad_inference(device):
+    x = torch.randn(3, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(256, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = lk.rms_norm(x, w)
+    assert_close(y, reference.rms_norm(x, w, compute_dtype=torch.float64, out_dtype=torch.bfloat16),
+                 torch.bfloat16, "y")
+
+
+def test_matches_hf_llama_and_gemma(device):
+    """HF-exact casting: bit-for-bit on the GPU, within one bf16 ulp under the interpreter."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    x = torch.randn(4, 33, 256, device=device, dtype=torch.bfloat16)
+    for hf_cls, casting, w_dtype in ((llama.LlamaRMSNorm, "llama", torch.bfloat16),
+                                     (llama.LlamaRMSNorm, "llama", torch.float32),
+                                     (gemma.GemmaRMSNorm, "gemma", torch.float32)):
+        hf = hf_cls(256, eps=1e-6).to(device=device, dtype=w_dtype)
+        with torch.no_grad():
+            hf.weight.normal_()
+            expected = hf(x)
+        got = lk.rms_norm(x, hf.weight.detach(), eps=1e-6, casting=casting)
+        assert got.dtype == expected.dtype
+        if INTERPRETED:
+            assert_close(got, expected, torch.bfloat16, hf_cls.__name__)
+        else:
+            assert torch.equal(got, expected), f"{hf_cls.__name__} ({w_dtype}) differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_torch_layer_norm(dtype, device):
+    x = torch.randn(7, 300, device=device, dtype=dtype)
+    w, b = torch.randn(300, device=device, dtype=dtype), torch.randn(300, device=device, dtype=dtype)
+    assert_close(lk.layer_norm(x, w, b), F.layer_norm(x.float(), (300,), w.float(), b.float()), dtype, "y")
+
+
+def test_modules(device):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hf = llama.LlamaRMSNorm(128, eps=1e-5).to(device)
+    mine = lk.RMSNorm.from_llama_rmsnorm(hf)
+    assert mine.weight is hf.weight and mine.variance_epsilon == 1e-5
+    fresh = lk.RMSNorm(128, eps=1e-5).to(device)
+    assert fresh.state_dict().keys() == hf.state_dict().keys()
+    fresh.load_state_dict(hf.state_dict())
+
+    torch_ln = torch.nn.LayerNorm(96).to(device)
+    ln = lk.LayerNorm(96).to(device)
+    assert ln.state_dict().keys() == torch_ln.state_dict().keys()
+    with torch.no_grad():
+        torch_ln.weight.normal_()
+        torch_ln.bias.normal_()
+    ln.load_state_dict(torch_ln.state_dict())
+    x = torch.randn(3, 96, device=device)
+    assert_close(ln(x), torch_ln(x), torch.float32, "LayerNorm")
+
+    fused = lk.FusedAddRMSNorm(128).to(device)
+    x, r = torch.randn(2, 128, device=device), torch.randn(2, 128, device=device)
+    y, h = fused(x, r)
+    assert_close(h, x + r, torch.float32, "h")
+    assert_close(y, reference.rms_norm(x + r, fused.weight, compute_dtype=torch.float64), torch.float32, "y")
+
+
+def test_errors(device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(TypeError, match="x"):
+        lk.rms_norm(torch.ones(4, 8, dtype=torch.int64, device=device), w)
+    with pytest.raises(TypeError, match="x"):
+        lk.rms_norm([1.0, 2.0], w)
+    with pytest.raises(ValueError, match="weight"):
+        lk.rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(ValueError, match="weight"):
+        lk.rms_norm(torch.randn(2, 3, 8, device=device), torch.ones(4, 8, device=device))  # per-head H mismatch
+    with pytest.raises(TypeError, match="weight"):
+        lk.rms_norm(x, torch.ones(8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="eps"):
+        lk.rms_norm(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="eps"):
+        lk.layer_norm(x, w, eps=float("nan"))
+    with pytest.raises(ValueError, match="bias"):
+        lk.layer_norm(x, w, torch.ones(9, device=device))
+    with pytest.raises(ValueError, match="residual"):
+        lk.rms_norm(x, w, residual=torch.randn(4, 9, device=device))
+    with pytest.raises(ValueError, match="casting"):
+        lk.rms_norm(x, w, casting="llama2")
+    with pytest.raises(ValueError, match="last dimension"):
+        lk.rms_norm(torch.randn(4, 0, device=device))
+    other = "meta" if device == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="weight"):
+        lk.rms_norm(x, torch.ones(8, device=other))
+    with pytest.raises(ValueError, match="residual"):
+        lk.rms_norm(x, w, residual=torch.ones(4, 8, device=other))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
+def test_heuristics_cover_every_width(n):
+    for m in (1, 7, 4096):
+        bm, bn, warps, one_pass = norm_ops._fwd_config(n, m)
+        assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
+        assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
+        assert bm * bn <= 65536
+        bm, bn, warps, one_pass, per_sm = norm_ops._bwd_config(n, m)
+        assert per_sm >= 1
+        assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
+        assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX)
+        assert bm * bn <= 65536
+
+
+def test_cpu_without_interpreter_uses_reference():
+    """A user on a CPU gets the reference's answer, not a crash."""
+    code = (
+        "import torch, llmkernels as lk\n"
+        "from llmkernels import reference\n"
+        "x = torch.randn(3, 50, dtype=torch.bfloat16); w = torch.randn(50)\n"
+        "y = lk.rms_norm(x, w)\n"
+        "assert torch.equal(y, reference.rms_norm(x, w)), 'mismatch'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr

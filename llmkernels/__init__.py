@@ -1,5 +1,6 @@
 """llmkernels: fused Triton kernels for training and serving transformers."""
 from .ops.norm import layer_norm, rms_norm
 from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm
+from .hf import patch, patch_model_type
 
 __version__ = "0.1.0"

@@ -1,0 +1,459 @@
+"""Patch Hugging Face transformers models to run on the llmkernels kernels.
+
+Two entry points:
+
+- ``patch(model)``: patch a model that already exists, in place. Norm modules keep their class,
+  parameters and state-dict keys; only their ``forward`` is swapped (the same Parameter feeds the
+  kernel). Returns a ``PatchReport`` saying what was patched and what was not, and why.
+- ``patch_model_type("llama")``: patch the classes and functions of a model type's modeling
+  module, so that every model of that type built afterwards (``from_pretrained``,
+  ``from_config``, ``LlamaForCausalLM(config)``) runs on the kernels.
+
+What is replaced (each can be switched off):
+
+- ``rms_norm``: the family's RMSNorm class (Llama-like ``weight * x_hat.to(dtype)``, Gemma's
+  ``x_hat * (1 + weight)`` in fp32, OLMo 2's ``(weight * x_hat).to(dtype)``), including the
+  per-head q/k norms of Qwen 3, Gemma 3 and OLMo 2, by ``llmkernels.rms_norm`` with the
+  matching ``casting``.
+- ``layer_norm``: ``torch.nn.LayerNorm`` modules (GPT-NeoX) by ``llmkernels.layer_norm``.
+- ``rope``: the modeling module's ``apply_rotary_pos_emb`` by ``llmkernels.apply_rope``
+  (partial rotary, as GPT-NeoX and Phi-3 use it, rotates the first ``cos.shape[-1]`` channels;
+  inputs the kernel does not take go to the original function).
+  A module-level function: it changes every model of that type in the process, also for
+  ``patch(model)``.
+- ``cross_entropy``: ``*ForCausalLM.forward``. When labels are given and logits are not wanted
+  the loss comes from ``llmkernels.linear_cross_entropy`` on the final hidden states and the
+  output embedding, without materializing the ``[tokens, vocab]`` logits (label shift,
+  ``ignore_index``, ``shift_labels``, ``num_items_in_batch``, Gemma 2/3 final-logit softcapping
+  and the MoE router auxiliary loss as transformers computes them). Logits are wanted when
+  ``return_logits=True`` is passed, or by default when the model is not training: then the
+  original forward runs and returns logits and its loss.
+
+DTensor (tensor parallel) norms: when the norm's input or weight is a ``DTensor`` the kernel
+runs on the local shard: the input may be sharded along any dimension but the normalized
+(last) one, the weight/bias replicated (their gradient is reduced as DTensor prescribes) or
+sharded (gathered with ``full_tensor()``). FSDP2 (``fully_shard``) unshards parameters before
+each forward, so plain tensors reach the kernel and no special handling is needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import types
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .ops.norm import layer_norm as _layer_norm
+from .ops.norm import rms_norm as _rms_norm
+
+
+# --------------------------------------------------------------------------------------------
+# what each supported model type uses
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    module: str                      # transformers.models.<module>.modeling_<module>
+    norms: dict                      # RMSNorm class name -> llmkernels casting
+    causal_lm: Optional[str]         # the *ForCausalLM class name
+    layer_norm: bool = False         # uses torch.nn.LayerNorm (GPT-NeoX)
+
+
+_FAMILIES = {
+    "llama": _Family("llama", {"LlamaRMSNorm": "llama"}, "LlamaForCausalLM"),
+    "mistral": _Family("mistral", {"MistralRMSNorm": "llama"}, "MistralForCausalLM"),
+    "mixtral": _Family("mixtral", {"MixtralRMSNorm": "llama"}, "MixtralForCausalLM"),
+    "qwen2": _Family("qwen2", {"Qwen2RMSNorm": "llama"}, "Qwen2ForCausalLM"),
+    "qwen3": _Family("qwen3", {"Qwen3RMSNorm": "llama"}, "Qwen3ForCausalLM"),
+    "qwen3_moe": _Family("qwen3_moe", {"Qwen3MoeRMSNorm": "llama"}, "Qwen3MoeForCausalLM"),
+    "phi3": _Family("phi3", {"Phi3RMSNorm": "llama"}, "Phi3ForCausalLM"),
+    # OLMo 2 multiplies by the weight in fp32 and casts once: casting="none".
+    "olmo2": _Family("olmo2", {"Olmo2RMSNorm": "none"}, "Olmo2ForCausalLM"),
+    "gemma": _Family("gemma", {"GemmaRMSNorm": "gemma"}, "GemmaForCausalLM"),
+    "gemma2": _Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM"),
+    "gemma3_text": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, "Gemma3ForCausalLM"),
+    # The multimodal Gemma 3: its text tower's norms and RoPE; the loss stays transformers'.
+    "gemma3": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, None),
+    "gpt_neox": _Family("gpt_neox", {}, "GPTNeoXForCausalLM", layer_norm=True),
+}
+
+# Norm class name -> casting, for recognising these classes inside any model.
+_NORM_CASTING = {name: casting for fam in _FAMILIES.values() for name, casting in fam.norms.items()}
+
+# (owner, attribute) -> original value, for every class- or module-level change made here.
+_ORIGINALS: dict = {}
+
+
+def supported_model_types() -> tuple:
+    """The ``config.model_type`` values that ``patch`` and ``patch_model_type`` know."""
+    return tuple(_FAMILIES)
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What ``patch`` / ``patch_model_type`` did: ``patched`` lists replacements (with counts
+    of modules for instance patching); ``not_patched`` maps what was left alone to why."""
+    model_type: Optional[str]
+    patched: list = dataclasses.field(default_factory=list)
+    not_patched: dict = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"llmkernels patch report for model_type={self.model_type!r}:"]
+        lines += [f"  patched: {p}" for p in self.patched] or ["  patched: nothing"]
+        lines += [f"  not patched: {what} ({why})" for what, why in self.not_patched.items()]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# replacement forwards
+# --------------------------------------------------------------------------------------------
+def _mark(fn: Callable) -> Callable:
+    fn._llmkernels = True
+    return fn
+
+
+def _is_patched(fn) -> bool:
+    return getattr(getattr(fn, "__func__", fn), "_llmkernels", False)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+
+
+def _norm_on_local_shards(fn, x, weight, bias, **kwargs):
+    """``fn(x, weight, bias)`` when x or a parameter is a DTensor: the kernel runs on x's local
+    shard; the result has x's placements. See the module docstring for what is supported."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = placements = None
+    if isinstance(x, DTensor):
+        mesh, placements = x.device_mesh, x.placements
+        for p in placements:
+            if isinstance(p, Shard) and p.dim % x.dim() == x.dim() - 1:
+                raise ValueError("the norm's input is sharded along its last (normalized) dimension; "
+                                 "llmkernels norms need whole rows on each rank (shard another dim)")
+            if not isinstance(p, (Shard, Replicate)):
+                raise ValueError(f"the norm's input has placement {p}; expected Shard or Replicate")
+        x = x.to_local()
+
+    def local(p):
+        if not isinstance(p, DTensor):
+            return p
+        if all(isinstance(q, Replicate) for q in p.placements):
+            # Rows are split across ranks where x is sharded: each rank's dW is a partial sum.
+            grads = [Partial() if isinstance(q, Shard) else Replicate() for q in (placements or p.placements)]
+            return p.to_local(grad_placements=grads if placements is not None else None)
+        return p.full_tensor()
+
+    y = fn(x, local(weight), local(bias), **kwargs)
+    return DTensor.from_local(y, mesh, placements, run_check=False) if mesh is not None else y
+
+
+def _norm_call(fn, x, weight, bias, **kwargs):
+    if _is_dtensor(x) or _is_dtensor(weight) or _is_dtensor(bias):
+        return _norm_on_local_shards(fn, x, weight, bias, **kwargs)
+    return fn(x, weight, bias, **kwargs)
+
+
+def _rms_forward(casting: str) -> Callable:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+        return _norm_call(_rms_norm, hidden_states, self.weight, None, eps=eps, casting=casting)
+    forward.__name__ = f"llmkernels_rms_norm_{casting}_forward"
+    return _mark(forward)
+
+
+_RMS_FORWARDS = {c: _rms_forward(c) for c in ("llama", "gemma", "none")}
+
+
+@_mark
+def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _norm_call(_layer_norm, x, self.weight, self.bias, eps=self.eps)
+
+
+def _layer_norm_supported(m: nn.Module) -> Optional[str]:
+    """None when ``m`` (a torch.nn.LayerNorm) can run on the kernel, else why not."""
+    if len(m.normalized_shape) != 1:
+        return f"normalized_shape {tuple(m.normalized_shape)} spans more than the last dimension"
+    return None
+
+
+def _rope_forward(original: Callable) -> Callable:
+    """Wrap a modeling module's ``apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)``:
+    ``llmkernels.apply_rope`` where it fits (4-D q/k, per-token cos/sin ``[B, S, R]`` of q's
+    dtype; ``R < D`` is partial rotary, channels past R pass through), else ``original``."""
+    import inspect
+
+    params = list(inspect.signature(original).parameters)
+    unsqueeze_pos = params.index("unsqueeze_dim") - 4 if "unsqueeze_dim" in params else None
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        import llmkernels
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+        if unsqueeze_pos is not None and len(args) > unsqueeze_pos:
+            unsqueeze_dim = args[unsqueeze_pos]
+        layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
+        if (layout is None or q.dim() != 4 or k is None or k.dim() != 4 or cos.dim() != 3
+                or not (q.dtype == k.dtype == cos.dtype == sin.dtype) or cos.shape[-1] > q.shape[-1]
+                or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
+            return original(q, k, cos, sin, *args, **kwargs)
+        return llmkernels.apply_rope(q, k, cos, sin, layout=layout)
+
+    apply_rotary_pos_emb._llmkernels_original = original
+    return _mark(apply_rotary_pos_emb)
+
+
+def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` (shift, ignore_index, num_items_in_batch) of
+    ``lm_head(hidden)``, computed by ``linear_cross_entropy`` without the logits."""
+    import llmkernels
+    ignore_index = kwargs.get("ignore_index", -100)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:
+        # Position t predicts token t + 1; the last position has no target.
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = self.get_output_embeddings()
+    num_items = kwargs.get("num_items_in_batch")
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    loss = llmkernels.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
+        bias=head.bias, ignore_index=ignore_index, softcap=softcap,
+        reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    return loss
+
+
+def _fused_loss_forward(self, input_ids, attention_mask, position_ids, labels, kwargs):
+    """The ``*ForCausalLM.forward`` of transformers 5 with the loss from the hidden states."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    kwargs.pop("logits_to_keep", None)
+    is_moe = hasattr(self, "router_aux_loss_coef")
+    if is_moe:
+        router = kwargs.pop("output_router_logits", None)
+        kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
+    outputs = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              **kwargs)
+    loss = _causal_lm_loss(self, outputs.last_hidden_state, labels, kwargs)
+    common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if not is_moe:
+        return CausalLMOutputWithPast(**common)
+    aux_loss = None
+    if kwargs["output_router_logits"]:
+        balance = importlib.import_module(type(self).__module__).load_balancing_loss_func
+        aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        common["loss"] = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
+
+
+def _causal_lm_forward(original: Callable) -> Callable:
+    """Wrap ``*ForCausalLM.forward``: the fused loss path when labels are given and logits are not
+    wanted (``return_logits``, default: only while training), else ``original``."""
+    @functools.wraps(original)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None,
+                return_logits: Optional[bool] = None, **kwargs):
+        if return_logits is None:
+            return_logits = not self.training
+        if labels is None or return_logits or args or not _is_zero(kwargs.get("logits_to_keep", 0)):
+            return original(self, input_ids, attention_mask, position_ids, *args, labels=labels, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        out = _fused_loss_forward(self, input_ids, attention_mask, position_ids, labels, kwargs)
+        return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
+
+    forward._llmkernels_original = original
+    return _mark(forward)
+
+
+def _is_zero(logits_to_keep) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+# --------------------------------------------------------------------------------------------
+# patching
+# --------------------------------------------------------------------------------------------
+def _replace(owner, name: str, value) -> None:
+    """Set ``owner.name = value``, remembering the first original for ``unpatch_all``."""
+    _ORIGINALS.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+def unpatch_all() -> None:
+    """Undo every class- and module-level change made by ``patch_model_type`` and by the RoPE
+    part of ``patch``. (Modules patched in place by ``patch`` keep their kernel forwards.)"""
+    for (owner, name), value in _ORIGINALS.items():
+        setattr(owner, name, value)
+    _ORIGINALS.clear()
+
+
+def _available(fn_name: str) -> bool:
+    import llmkernels
+    return hasattr(llmkernels, fn_name)
+
+
+def _modeling_module(family: _Family):
+    return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+
+
+def _patch_rope(family: _Family, report: PatchReport) -> None:
+    if not _available("apply_rope"):
+        report.not_patched["rope"] = "llmkernels.apply_rope is not available in this version"
+        return
+    module = _modeling_module(family)
+    if not hasattr(module, "apply_rotary_pos_emb"):
+        report.not_patched["rope"] = f"{module.__name__} has no apply_rotary_pos_emb"
+        return
+    if not _is_patched(module.apply_rotary_pos_emb):
+        _replace(module, "apply_rotary_pos_emb", _rope_forward(module.apply_rotary_pos_emb))
+    report.patched.append(f"{module.__name__}.apply_rotary_pos_emb -> llmkernels.apply_rope "
+                          "(module-level: every model of this type)")
+
+
+def _text_model_type(config) -> Optional[str]:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES and hasattr(config, "get_text_config"):
+        text_type = getattr(config.get_text_config(), "model_type", None)
+        if text_type in _FAMILIES:
+            return text_type
+    return model_type
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, rope: bool = True,
+          cross_entropy: bool = True) -> PatchReport:
+    """Patch a Hugging Face transformers model in place to use the llmkernels kernels.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (any head). Norm modules are recognised by
+            class (the RMSNorm classes of the supported families, ``torch.nn.LayerNorm``) in
+            any model, also one of an unsupported type; RoPE and the loss need a known type.
+        rms_norm, layer_norm, rope, cross_entropy: switch each replacement off with False.
+
+    Returns:
+        A ``PatchReport``; ``print(report)`` lists what was and was not patched. For a model
+        type this module does not know, the report is also issued as a warning.
+    """
+    config = getattr(model, "config", None)
+    model_type = _text_model_type(config)
+    family = _FAMILIES.get(model_type)
+    report = PatchReport(model_type)
+    counts: dict = {}
+    unknown_norms: set = set()
+    for module in model.modules():
+        cls = type(module)
+        name = cls.__name__
+        if name in _NORM_CASTING and cls.__module__.startswith("transformers."):
+            if not rms_norm:
+                report.not_patched[name] = "rms_norm=False"
+                continue
+            casting = _NORM_CASTING[name]
+            if not _is_patched(module.forward):
+                module.forward = types.MethodType(_RMS_FORWARDS[casting], module)
+            key = f"{name} -> llmkernels.rms_norm(casting={casting!r})"
+        elif cls is nn.LayerNorm:
+            if not layer_norm:
+                report.not_patched["LayerNorm"] = "layer_norm=False"
+                continue
+            why = _layer_norm_supported(module)
+            if why is not None:
+                report.not_patched["LayerNorm"] = why
+                continue
+            if not _is_patched(module.forward):
+                module.forward = types.MethodType(_layer_norm_forward, module)
+            key = "torch.nn.LayerNorm -> llmkernels.layer_norm"
+        else:
+            if name.endswith(("RMSNorm", "LayerNorm", "GroupNorm")) and not _is_patched(module.forward):
+                unknown_norms.add(name)
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    report.patched += [f"{key} ({n} modules)" for key, n in counts.items()]
+    for name in sorted(unknown_norms):
+        report.not_patched[name] = "norm class whose exact numerics llmkernels does not know"
+
+    if family is None:
+        why = f"model type {model_type!r} is not one of {', '.join(_FAMILIES)}"
+        report.not_patched["rope"] = report.not_patched["loss"] = why
+        warnings.warn(str(report), stacklevel=2)
+        return report
+    if not rope:
+        report.not_patched["rope"] = "rope=False"
+    else:
+        _patch_rope(family, report)
+    if not cross_entropy:
+        report.not_patched["loss"] = "cross_entropy=False"
+    elif family.causal_lm is None or type(model).__name__ != family.causal_lm:
+        report.not_patched["loss"] = f"{type(model).__name__} is not {family.causal_lm or 'a supported causal LM'}"
+    elif not _available("linear_cross_entropy"):
+        report.not_patched["loss"] = "llmkernels.linear_cross_entropy is not available in this version"
+    else:
+        if not _is_patched(model.forward):
+            model.forward = types.MethodType(_causal_lm_forward(type(model).forward), model)
+        report.patched.append(f"{type(model).__name__}.forward loss -> llmkernels.linear_cross_entropy")
+    return report
+
+
+def _patch_layer_norms_after_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for module in self.modules():
+            if type(module) is nn.LayerNorm and _layer_norm_supported(module) is None:
+                module.forward = types.MethodType(_layer_norm_forward, module)
+    return _mark(post_init)
+
+
+def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_norm: bool = True,
+                     rope: bool = True, cross_entropy: bool = True) -> PatchReport:
+    """Patch a model type's transformers classes so that models built afterwards use the kernels.
+
+    Call before ``from_pretrained`` / ``from_config`` / the constructor. Replaces the family's
+    RMSNorm ``forward``, its ``apply_rotary_pos_emb`` and its ``*ForCausalLM.forward`` (loss);
+    for ``torch.nn.LayerNorm`` (GPT-NeoX), which is not the family's own class, the family's
+    ``post_init`` patches each new model's LayerNorm modules. ``unpatch_all()`` undoes this.
+
+    Args:
+        model_type: a ``config.model_type``, one of ``supported_model_types()``.
+    """
+    if model_type not in _FAMILIES:
+        raise ValueError(f"model_type must be one of {', '.join(_FAMILIES)}; got {model_type!r}. "
+                         "For another model, build it and call llmkernels.patch(model)")
+    family = _FAMILIES[model_type]
+    module = _modeling_module(family)
+    report = PatchReport(model_type)
+    for name, casting in family.norms.items():
+        if not rms_norm:
+            report.not_patched[name] = "rms_norm=False"
+            continue
+        cls = getattr(module, name)
+        if not _is_patched(cls.forward):
+            _replace(cls, "forward", _RMS_FORWARDS[casting])
+        report.patched.append(f"{name}.forward -> llmkernels.rms_norm(casting={casting!r})")
+    if family.layer_norm:
+        if not layer_norm:
+            report.not_patched["LayerNorm"] = "layer_norm=False"
+        else:
+            base = next(c for c in getattr(module, family.causal_lm).__mro__
+                        if c.__module__ == module.__name__ and c.__name__.endswith("PreTrainedModel"))
+            if not _is_patched(base.post_init):
+                _replace(base, "post_init", _patch_layer_norms_after_init(base.post_init))
+            report.patched.append(f"torch.nn.LayerNorm in {base.__name__} models -> llmkernels.layer_norm")
+    if not rope:
+        report.not_patched["rope"] = "rope=False"
+    else:
+        _patch_rope(family, report)
+    if not cross_entropy:
+        report.not_patched["loss"] = "cross_entropy=False"
+    elif family.causal_lm is None:
+        report.not_patched["loss"] = f"no causal LM loss is patched for model type {model_type!r}"
+    elif not _available("linear_cross_entropy"):
+        report.not_patched["loss"] = "llmkernels.linear_cross_entropy is not available in this version"
+    else:
+        cls = getattr(module, family.causal_lm)
+        if not _is_patched(cls.forward):
+            _replace(cls, "forward", _causal_lm_forward(cls.forward))
+        report.patched.append(f"{family.causal_lm}.forward loss -> llmkernels.linear_cross_entropy")
+    return report

@@ -1,0 +1,200 @@
+"""Hugging Face patching: for every supported family that the installed transformers has, a
+tiny random model patched by ``llmkernels.patch`` gives the logits, loss, every parameter
+gradient and five AdamW steps of the unpatched model; plus the switches, the report and the
+class-level ``patch_model_type``. No hub downloads: models are built from ``*Config(...)``."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import llmkernels  # noqa: E402
+from llmkernels import hf  # noqa: E402
+
+from tests.conftest import DEVICE  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+
+VOCAB, SEQ, BATCH = 512, 16, 2
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# model_type -> (config class name, extra config arguments). Each exercises what is special in
+# its family: MoE router loss, per-head q/k norms, Gemma's (1 + w) and softcapping, partial rotary.
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         output_router_logits=True)),
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                                    sliding_window=8, query_pre_attn_scalar=16)),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                             final_logit_softcapping=30.0)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5)),
+    "olmo2": ("Olmo2Config", {}),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None, rotary_pct=0.25)),
+}
+
+
+def make_model(model_type: str, dtype=torch.float32):
+    cls_name, extra = FAMILIES[model_type]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    kwargs = {k: v for k, v in {**COMMON, **extra}.items() if v is not None}
+    config = getattr(transformers, cls_name)(**kwargs)
+    # Eager attention: Gemma 2's attention-logit softcapping needs it, and it is fast at this size.
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # Random norm weights: Gemma's zeros and Llama's ones would hide a wrong (1 + w) or w.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "gemma" in model_type else 1.0))
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # masked prompt tokens
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def train(model, steps: int):
+    """Loss of each of ``steps`` AdamW steps on one batch, and logits and gradients of the first."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    losses, first = [], None
+    ids, labels = batch(0)
+    for step in range(steps):
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        if step == 0:
+            with torch.no_grad():
+                logits = model(input_ids=ids, return_logits=True).logits if out.logits is None else out.logits
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            first = (out.loss.detach(), logits.detach(), grads)
+        losses.append(out.loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, first
+
+
+@pytest.fixture(autouse=True)
+def _restore_transformers():
+    yield
+    hf.unpatch_all()
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_patched_model_trains_like_unpatched(model_type):
+    torch.manual_seed(0)
+    model = make_model(model_type)
+    patched = copy.deepcopy(model)
+    ref_losses, (ref_loss, ref_logits, ref_grads) = train(model, 5)  # before patching: RoPE is module-level
+
+    report = llmkernels.patch(patched)
+    for part, fn in (("rope", "apply_rope"), ("loss", "linear_cross_entropy")):
+        assert part not in report.not_patched or not hasattr(llmkernels, fn), str(report)
+    losses, (loss, logits, grads) = train(patched, 5)
+
+    assert rel_err(logits, ref_logits) < 1e-5, f"logits rel err {rel_err(logits, ref_logits):.2e}"
+    assert rel_err(loss, ref_loss) < 1e-5, f"loss {loss.item()} vs {ref_loss.item()}"
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-4, f"grad {name}: rel err {rel_err(g, ref_grads[name]):.2e}"
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0]  # the steps do train
+
+
+def test_norm_patch_keeps_parameters_and_state_dict():
+    model = make_model("qwen3")
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    report = llmkernels.patch(model, rope=False, cross_entropy=False)
+    assert "Qwen3RMSNorm -> llmkernels.rms_norm(casting='llama') (9 modules)" in report.patched  # incl. q/k norms
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert hf._is_patched(model.model.layers[0].self_attn.q_norm.forward)
+    assert llmkernels.patch(model, rope=False, cross_entropy=False).patched == report.patched  # idempotent
+
+
+def test_switches_leave_the_model_alone():
+    model = make_model("llama")
+    report = llmkernels.patch(model, rms_norm=False, layer_norm=False, rope=False, cross_entropy=False)
+    assert report.patched == []
+    assert set(report.not_patched) == {"LlamaRMSNorm", "rope", "loss"}
+    assert "forward" not in vars(model) and "forward" not in vars(model.model.norm)
+    module = __import__(type(model).__module__, fromlist=["x"])
+    assert not hf._is_patched(module.apply_rotary_pos_emb)
+
+
+def test_unknown_model_reports_what_was_not_patched():
+    class FancyRMSNorm(nn.Module):
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(transformers.models.llama.modeling_llama.LlamaRMSNorm(8), FancyRMSNorm(), nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match="not patched: FancyRMSNorm") as record:
+        report = llmkernels.patch(model)
+    text = str(record[0].message)
+    assert "LlamaRMSNorm -> llmkernels.rms_norm(casting='llama') (1 modules)" in text
+    assert "torch.nn.LayerNorm -> llmkernels.layer_norm (1 modules)" in text
+    assert "model type None is not one of" in report.not_patched["loss"]
+    x = torch.randn(3, 8, device=DEVICE)
+    model.to(DEVICE)
+    ref = nn.functional.layer_norm(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), (8,),
+                                   model[2].weight, model[2].bias)
+    assert rel_err(model(x), ref) < 1e-5
+
+
+def test_patch_model_type_before_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = make_model("llama").eval()
+    ids, _ = batch(0)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+
+    report = llmkernels.patch_model_type("llama")
+    assert "LlamaRMSNorm.forward -> llmkernels.rms_norm(casting='llama')" in report.patched
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").to(DEVICE).eval()
+    assert hf._is_patched(loaded.model.norm.forward)
+    with torch.no_grad():
+        out = loaded(input_ids=ids).logits
+    assert rel_err(out, ref) < 1e-5
+    hf.unpatch_all()
+    assert not hf._is_patched(type(loaded.model.norm).forward)
+
+
+def test_patch_model_type_gpt_neox_layer_norms():
+    llmkernels.patch_model_type("gpt_neox", rope=False, cross_entropy=False)
+    model = make_model("gpt_neox")
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) == 5 and all(hf._is_patched(m.forward) for m in norms)
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        llmkernels.patch_model_type("bert")
+
+
+def test_return_dict_false_and_logits_when_asked():
+    if not hasattr(llmkernels, "linear_cross_entropy"):
+        pytest.skip("llmkernels.linear_cross_entropy not available")
+    model = make_model("llama").train()
+    llmkernels.patch(model)
+    ids, labels = batch(0)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None  # training with labels: the loss without logits
+    both = model(input_ids=ids, labels=labels, return_logits=True)
+    assert both.logits.shape == (BATCH, SEQ, VOCAB) and rel_err(both.loss, out.loss) < 1e-5
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and rel_err(as_tuple[0], out.loss) < 1e-6
+    # num_items_in_batch (gradient accumulation): sum over tokens / the given count
+    n = (labels[:, 1:] != -100).sum()
+    summed = model(input_ids=ids, labels=labels, num_items_in_batch=2 * n).loss
+    assert rel_err(summed, out.loss / 2) < 1e-5

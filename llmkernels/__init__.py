@@ -1,5 +1,6 @@
 """llmkernels: fused Triton kernels for training and serving transformers."""
 from .ops.norm import layer_norm, rms_norm
+from .ops.rope import apply_rope, apply_rotary_pos_emb
 from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 from .hf import patch, patch_model_type
 

@@ -80,3 +80,50 @@ def layer_norm(x, weight=None, bias=None, *, eps=1e-5, residual=None, prenorm=Fa
     return _norm(x, weight, bias, residual, is_rms=False, eps=eps, prenorm=prenorm,
                  residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting,
                  out_dtype=out_dtype, compute_dtype=compute_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------
+def rotate_half(x):
+    """Hugging Face / GPT-NeoX pairing: halves ``(x1, x2)`` of the last dim -> ``(-x2, x1)``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_every_two(x):
+    """GPT-J (interleaved) pairing: features ``(x[2i], x[2i+1])`` -> ``(-x[2i+1], x[2i])``."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def apply_rope(q, k, cos, sin, *, position_ids=None, layout="bhsd", interleaved=False, rotary_dim=None,
+               compute_dtype=torch.float32):
+    """RoPE of ``q`` and ``k`` (or None); see ``llmkernels.apply_rope``. Returns ``(q_out, k_out)``
+    in the inputs' dtypes. ``x[..., :R] * cos + rot(x[..., :R]) * sin`` with the token's cos/sin
+    rows (first R features), ``x[..., R:]`` passed through."""
+    rotary_dim = rotary_dim or cos.shape[-1]
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    head_axis = 1 if layout == "bhsd" else 2
+    cos = cos[..., :rotary_dim].to(compute_dtype).unsqueeze(head_axis)
+    sin = sin[..., :rotary_dim].to(compute_dtype).unsqueeze(head_axis)
+    rot = rotate_every_two if interleaved else rotate_half
+
+    def one(x):
+        if x is None:
+            return None
+        xc = x.to(compute_dtype)
+        xr = xc[..., :rotary_dim]
+        return torch.cat((xr * cos + rot(xr) * sin, xc[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+    return one(q), one(k)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Hugging Face's ``apply_rotary_pos_emb`` formula, in the inputs' own dtypes (k may be None)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    q_out = q * cos + rotate_half(q) * sin
+    return q_out, (None if k is None else k * cos + rotate_half(k) * sin)

@@ -1,0 +1,467 @@
+"""Rotary position embedding (RoPE): one kernel for the forward and the backward.
+
+For each head row ``x [D]`` of q and k, with ``R = rotary_dim`` and per-token ``cos``/``sin``
+rows of at least ``R`` features::
+
+    y[:R] = x[:R] * cos[:R] + rot(x[:R]) * sin[:R]        y[R:] = x[R:]
+
+``rot`` pairs the features and turns each pair ``(a, b)`` into ``(-b, a)``. Pairs are
+``(i, i + R/2)`` in the Hugging Face / GPT-NeoX convention (``rotate_half``) and ``(2i, 2i + 1)``
+in the GPT-J one (``interleaved=True``). Writing a pair's features as ``1`` and ``2``::
+
+    forward:   y1 = x1 * c1 - x2 * s1      y2 = x2 * c2 + x1 * s2
+    backward: dx1 = dy1 * c1 + dy2 * s2   dx2 = dy2 * c2 - dy1 * s1
+
+so the backward is the forward with ``(s1, s2)`` replaced by ``(-s2, -s1)``: with Hugging
+Face's tables (``s1 == s2``) it is the forward with the sine negated. One kernel does both
+(``BACKWARD`` swaps the sines), so the gradient of the op is the op itself and double backward
+comes for free. Arithmetic is fp32 whatever the input dtypes; each output is rounded once.
+
+The kernel is memory bound: q and k are read once and written once. A program owns
+``BLOCK_T`` tokens: it loads their cos/sin rows once (small tables, they stay in L2) and
+reuses them for every head of q and then of k, ``BLOCK_H`` heads per step. Tensors are
+addressed through their strides in a ``[B, S, H, D]`` view, so both layouts, GQA and slices of a
+fused qkv projection run without copies (the last dimension needs unit stride).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ._common import next_pow2, use_kernels
+
+LAYOUTS = ("bhsd", "bshd")
+# Elements of q a program moves per step (all heads of BLOCK_T tokens up to this size).
+TILE_ELEMENTS = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _rope_heads(X, Y, base_x, base_y, tok_mask, c1, s1, c2, s2, H, R, D, stride_xh, stride_yh,
+                INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                HALF: tl.constexpr, PASS: tl.constexpr):
+    """Rotate every head of the tokens whose element offsets are ``base_x`` (into ``base_y``),
+    ``BLOCK_H`` heads at a time. ``base_*``: [BLOCK_T, 1, 1] int64; c1..s2: [BLOCK_T, 1, HALF]."""
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        row_mask = tok_mask & (heads < H)[None, :, None]
+        px = X + base_x + heads.to(tl.int64)[None, :, None] * stride_xh
+        py = Y + base_y + heads.to(tl.int64)[None, :, None] * stride_yh
+        if INTERLEAVED:
+            # Load whole rows (contiguous, vectorised) and split them into even/odd features.
+            j = tl.arange(0, 2 * HALF)[None, None, :]
+            mask = row_mask & (j < R)
+            x = tl.load(px + j, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, HALF, 2]))
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+            y = tl.reshape(tl.join(y1, y2), [BLOCK_T, BLOCK_H, 2 * HALF])
+            tl.store(py + j, y.to(Y.dtype.element_ty), mask=mask)
+        else:
+            i = tl.arange(0, HALF)[None, None, :]
+            mask = row_mask & (i < R // 2)
+            x1 = tl.load(px + i, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(px + i + R // 2, mask=mask, other=0.0).to(tl.float32)
+            tl.store(py + i, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty), mask=mask)
+            tl.store(py + i + R // 2, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty), mask=mask)
+        if COPY_PASS:
+            p = R + tl.arange(0, PASS)[None, None, :]
+            mask = row_mask & (p < D)
+            tl.store(py + p, tl.load(px + p, mask=mask).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, QO, KO, COS, SIN, POS,
+    n_tokens, S, HQ, HK, R, D, max_pos,
+    sqb, sqs, sqh, sob, sos, soh,
+    skb, sks, skh, spb, sps, sph,
+    scb, scs, spos_b, spos_s,
+    HAS_K: tl.constexpr, HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    COPY_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, PASS: tl.constexpr,
+):
+    """Grid: one program per BLOCK_T tokens of the flattened [B, S]. q/k/outputs are addressed
+    as [B, S, H, D] through (batch, seq, head) strides; cos/sin rows through (batch, seq) strides,
+    or, with HAS_POS, row ``position_ids[b, s]`` of a [max_pos, >= R] table."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_valid = tok < n_tokens
+    tok = tok.to(tl.int64)
+    b = tok // S
+    s = tok - b * S
+    if HAS_POS:
+        pos = tl.load(POS + b * spos_b + s * spos_s, mask=tok_valid, other=0).to(tl.int64)
+        # The host checks the range; where it can't (torch.compile) a bad position gives NaN
+        # rows instead of an out-of-bounds read.
+        c_mask = (tok_valid & (pos >= 0) & (pos < max_pos))[:, None]
+        c_row = pos * scs
+    else:
+        c_mask = tok_valid[:, None]
+        c_row = b * scb + s * scs
+    if INTERLEAVED:
+        j = tl.arange(0, 2 * HALF)[None, :]
+        m = c_mask & (j < R)
+        cos = tl.load(COS + c_row[:, None] + j, mask=m, other=float("nan")).to(tl.float32)
+        sin = tl.load(SIN + c_row[:, None] + j, mask=m, other=float("nan")).to(tl.float32)
+        c1, c2 = tl.split(tl.reshape(cos, [BLOCK_T, HALF, 2]))
+        s1, s2 = tl.split(tl.reshape(sin, [BLOCK_T, HALF, 2]))
+    else:
+        i = tl.arange(0, HALF)[None, :]
+        m = c_mask & (i < R // 2)
+        c1 = tl.load(COS + c_row[:, None] + i, mask=m, other=float("nan")).to(tl.float32)
+        c2 = tl.load(COS + c_row[:, None] + i + R // 2, mask=m, other=float("nan")).to(tl.float32)
+        s1 = tl.load(SIN + c_row[:, None] + i, mask=m, other=float("nan")).to(tl.float32)
+        s2 = tl.load(SIN + c_row[:, None] + i + R // 2, mask=m, other=float("nan")).to(tl.float32)
+    if BACKWARD:
+        s1, s2 = -s2, -s1
+    c1 = c1[:, None, :]
+    c2 = c2[:, None, :]
+    s1 = s1[:, None, :]
+    s2 = s2[:, None, :]
+    tok_mask = tok_valid[:, None, None]
+    b = b[:, None, None]
+    s = s[:, None, None]
+    _rope_heads(Q, QO, b * sqb + s * sqs, b * sob + s * sos, tok_mask, c1, s1, c2, s2, HQ, R, D, sqh, soh,
+                INTERLEAVED, COPY_PASS, BLOCK_T, BLOCK_HQ, HALF, PASS)
+    if HAS_K:
+        _rope_heads(K, KO, b * skb + s * sks, b * spb + s * sps, tok_mask, c1, s1, c2, s2, HK, R, D, skh, sph,
+                    INTERLEAVED, COPY_PASS, BLOCK_T, BLOCK_HK, HALF, PASS)
+
+
+# --------------------------------------------------------------------------------------------
+# launch heuristics and launcher
+# --------------------------------------------------------------------------------------------
+def _config(n_tokens: int, hq: int, hk: int, d: int):
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): about TILE_ELEMENTS elements of q per step;
+    several tokens per program when one token's heads are fewer."""
+    row = next_pow2(d)
+    block_hq = min(next_pow2(hq), max(1, TILE_ELEMENTS // row))
+    block_hk = min(next_pow2(hk), block_hq)
+    block_t = min(next_pow2(n_tokens), max(1, TILE_ELEMENTS // (block_hq * row)))
+    num_warps = 8 if block_t * block_hq * row >= 8192 else 4
+    return block_t, block_hq, block_hk, num_warps
+
+
+def _rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int, backward: bool,
+                 q_out, k_out, config=None):
+    """Rotate ``q [B, S, Hq, D]`` (and ``k [B, S, Hk, D]``) into ``q_out``/``k_out`` of the
+    same shapes (which may be q/k themselves). All are strided views with unit last stride.
+    ``cos``/``sin``: ``[B or 1, S, >= R]`` (batch stride 0 to broadcast), or with ``position_ids
+    [B, S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config`` overrides
+    ``_config`` (benchmarks)."""
+    bsz, seq, hq, d = q.shape
+    hk = 0 if k is None else k.shape[2]
+    n_tokens = bsz * seq
+    if n_tokens == 0 or hq + hk == 0:
+        return
+    block_t, block_hq, block_hk, num_warps = config or _config(n_tokens, hq, hk, d)
+    has_pos = position_ids is not None
+    ks = (0, 0, 0) if k is None else (k.stride(0), k.stride(1), k.stride(2))
+    kos = (0, 0, 0) if k is None else (k_out.stride(0), k_out.stride(1), k_out.stride(2))
+    if has_pos:
+        c_strides, p_strides, max_pos = (0, cos.stride(0)), (position_ids.stride(0), position_ids.stride(1)), cos.shape[0]
+    else:
+        c_strides, p_strides, max_pos = (cos.stride(0), cos.stride(1)), (0, 0), 0
+    _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
+        q, q if k is None else k, q_out, q_out if k is None else k_out, cos, sin,
+        position_ids if has_pos else cos,
+        n_tokens, seq, hq, hk, rotary_dim, d, max_pos,
+        q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        *ks, *kos, *c_strides, *p_strides,
+        HAS_K=k is not None, HAS_POS=has_pos, INTERLEAVED=interleaved, BACKWARD=backward,
+        COPY_PASS=rotary_dim < d and q_out.data_ptr() != q.data_ptr(),
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        HALF=max(1, next_pow2(rotary_dim // 2)), PASS=max(1, next_pow2(d - rotary_dim)), num_warps=num_warps,
+    )
+
+
+def _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+    """Out of place: returns ``(q_out, k_out)`` (``k_out`` None without k) in the given dtypes,
+    laid out in memory like q and k where they are dense."""
+    q_out = torch.empty_like(q, dtype=q_dtype)
+    k_out = None if k is None else torch.empty_like(k, dtype=k_dtype)
+    _rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out)
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------
+# autograd: an autograd.Function for eager mode, and custom ops for torch.compile. The
+# derivative of the op is the op with BACKWARD flipped, so both call themselves in backward.
+# cos, sin and position_ids get no gradient.
+# --------------------------------------------------------------------------------------------
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype)
+        return _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        # Unused outputs come as zeros (autograd materializes them), so dq is a tensor, and so
+        # is dk when there is a k.
+        cos, sin, position_ids = ctx.saved_tensors
+        interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
+        dq, dk = _RopeFunction.apply(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin,
+                                     position_ids, interleaved, rotary_dim, not backward, q_dtype, k_dtype)
+        return dq, dk, None, None, None, None, None, None, None, None
+
+
+class _RopeInplaceFunction(torch.autograd.Function):
+    """In place on one tensor: autograd allows a Function that modifies a view in place to
+    return only that tensor, so q and k take one launch each on this (autograd) path."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, position_ids, interleaved, rotary_dim):
+        _rope_launch(x, None, cos, sin, position_ids, interleaved, rotary_dim, False, x, None)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.options = (interleaved, rotary_dim, x.dtype)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin, position_ids = ctx.saved_tensors
+        interleaved, rotary_dim, dtype = ctx.options
+        dx, _ = _RopeFunction.apply(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True,
+                                    dtype, None)
+        return dx, None, None, None, None, None
+
+
+def _unit_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("llmkernels::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+             position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int, backward: bool,
+             q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype)
+    return q_out, (q.new_empty(0, dtype=k_dtype) if k_out is None else k_out)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+    k_out = q.new_empty(0, dtype=k_dtype) if k is None else torch.empty_like(k, dtype=k_dtype)
+    return torch.empty_like(q, dtype=q_dtype), k_out
+
+
+@torch.library.custom_op("llmkernels::rope_", mutates_args=("q", "k"))
+def _rope_inplace_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                     position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int) -> None:
+    _rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k)
+
+
+@_rope_inplace_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim):
+    return None
+
+
+def _rope_op_setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype = inputs
+    q_out, k_out = output
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype)
+    ctx.shapes = (q_out.shape, k_out.shape)
+
+
+def _rope_op_backward(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
+    if dq is None:
+        dq = cos.new_zeros(ctx.shapes[0], dtype=q_dtype)
+    if k_dtype is not None and dk is None:
+        dk = cos.new_zeros(ctx.shapes[1], dtype=k_dtype)
+    dq, dk = _rope_op(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin, position_ids,
+                      interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype)
+    return dq, (dk if k_dtype is not None else None), None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("llmkernels::rope", _rope_op_backward, setup_context=_rope_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def _check_float(name, t, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}: move them to one device")
+
+
+def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
+    """Validate; return (rotary_dim, position_ids as [B, S] or None)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    _check_float("q", q, q.device)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [{', '.join(layout.upper())}], got shape {list(q.shape)}")
+    s_dim = 2 if layout == "bhsd" else 1
+    bsz, seq, d = q.shape[0], q.shape[s_dim], q.shape[3]
+    if k is not None:
+        _check_float("k", k, q.device)
+        if k.dim() != 4:
+            raise ValueError(f"k must be 4-D [{', '.join(layout.upper())}], got shape {list(k.shape)}")
+        if k.shape[3] != d:
+            raise ValueError(f"k's head_dim {k.shape[3]} must equal q's head_dim {d}")
+        if k.shape[0] != bsz or k.shape[s_dim] != seq:
+            raise ValueError(f"k (shape {list(k.shape)}) must have q's batch size {bsz} and sequence length "
+                             f"{seq} (layout {layout!r})")
+    _check_float("cos", cos, q.device)
+    _check_float("sin", sin, q.device)
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos shape {list(cos.shape)} must equal sin shape {list(sin.shape)}")
+    width = cos.shape[-1] if cos.dim() else 0
+    if rotary_dim is None:
+        rotary_dim = width
+    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
+        raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={d}], got {rotary_dim}")
+    if width not in (rotary_dim, d):
+        raise ValueError(f"cos/sin last dim must be rotary_dim={rotary_dim} or head_dim={d}, got {width}")
+    if position_ids is None:
+        if not (cos.dim() == 2 and cos.shape[0] == seq) and not (
+                cos.dim() == 3 and cos.shape[0] in (1, bsz) and cos.shape[1] == seq):
+            raise ValueError(f"cos/sin must be [S, {width}], [1, S, {width}] or [B, S, {width}] with B={bsz}, "
+                             f"S={seq}; got {list(cos.shape)} (pass position_ids to gather from a table)")
+        return rotary_dim, None
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
+    if position_ids.device != q.device:
+        raise ValueError(f"position_ids is on {position_ids.device} but q is on {q.device}")
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
+        raise ValueError(f"position_ids must be [S] or [B, S] with B={bsz}, S={seq}; got {list(position_ids.shape)}")
+    if cos.dim() != 2:
+        raise ValueError(f"with position_ids, cos/sin must be a [max_pos, {width}] table; got {list(cos.shape)}")
+    if position_ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(position_ids)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the cos/sin table's length); "
+                             f"got values in [{lo}, {hi}]")
+    return rotary_dim, position_ids.expand(bsz, seq)
+
+
+def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, inplace, q_dtype, k_dtype):
+    rotary_dim, position_ids = _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim)
+    if not use_kernels(q) or torch.float64 in (q.dtype, q_dtype) or (k is not None and k.dtype == torch.float64):
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_out, k_out = reference.apply_rope(q, k, cos, sin, position_ids=position_ids, layout=layout,
+                                            interleaved=interleaved, rotary_dim=rotary_dim, compute_dtype=compute)
+        if inplace:
+            q.copy_(q_out)
+            if k is not None:
+                k.copy_(k_out)
+            return q, k
+        return q_out.to(q_dtype), (None if k_out is None else k_out.to(k_dtype))
+    if inplace and (q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1)):
+        raise ValueError("inplace=True needs q and k with unit stride along the last dimension")
+    # The kernel sees [B, S, H, D] views and [B or 1, S, width] cos/sin (batch stride 0 to broadcast).
+    perm = (lambda t: t.transpose(1, 2)) if layout == "bhsd" else (lambda t: t)
+    qv = perm(_unit_last(q))
+    kv = None if k is None else perm(_unit_last(k))
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if position_ids is None:
+        cos = cos.expand(qv.shape[0], qv.shape[1], cos.shape[-1])
+        sin = sin.expand(qv.shape[0], qv.shape[1], sin.shape[-1])
+    args = (cos, sin, position_ids, interleaved, rotary_dim)
+    if torch.compiler.is_compiling():
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+        if inplace and not needs_grad:
+            _rope_inplace_op(qv, kv, *args)
+            return q, k
+        q_out, k_out = _rope_op(qv, kv, *args, False, q_dtype, k_dtype)
+        q_out, k_out = perm(q_out), (None if k is None else perm(k_out))
+        if inplace:
+            return q.copy_(q_out), (None if k is None else k.copy_(k_out))
+        return q_out, k_out
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+            _RopeInplaceFunction.apply(qv, *args)
+            if k is not None:
+                _RopeInplaceFunction.apply(kv, *args)
+        else:
+            _rope_launch(qv, kv, *args, False, qv, kv)
+        return q, k
+    q_out, k_out = _RopeFunction.apply(qv, kv, *args, False, q_dtype, k_dtype)
+    return perm(q_out), (None if k_out is None else perm(k_out))
+
+
+def apply_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,
+               position_ids: Optional[torch.Tensor] = None, layout: str = "bhsd", interleaved: bool = False,
+               rotary_dim: Optional[int] = None, inplace: bool = False):
+    """Apply rotary position embeddings to q and k.
+
+    ``y[..., :R] = x[..., :R] * cos + rot(x[..., :R]) * sin`` and ``y[..., R:] = x[..., R:]``
+    for every head, with ``R = rotary_dim`` and ``cos``/``sin`` the token's rows (their first R
+    features). ``rot`` is Hugging Face's ``rotate_half`` (pairs ``(i, i + R/2)``), or GPT-J's
+    ``(2i, 2i + 1)`` pairs with ``interleaved=True``.
+
+    Args:
+        q: ``[B, Hq, S, D]`` (``layout="bhsd"``, Hugging Face's) or ``[B, S, Hq, D]``
+            (``"bshd"``); float32/bfloat16/float16 (float64 runs the reference). Any strides
+            (e.g. a slice of a fused qkv projection) with a unit-stride last dimension.
+        k: ``[B, Hk, S, D]`` or ``[B, S, Hk, D]`` with any Hk (GQA), or None to rotate q only.
+        cos, sin: same shape, any float dtype (fp32 tables with bf16 q/k are fine): without
+            ``position_ids`` the per-token rows ``[B, S, W]``, ``[1, S, W]`` or ``[S, W]``
+            (broadcast over the batch), as Hugging Face's rotary embedding returns them; with
+            ``position_ids`` a table ``[max_pos, W]``. ``W`` is ``rotary_dim`` or ``D``.
+        position_ids: optional ``[B, S]`` or ``[S]`` integer positions: token ``(b, s)`` uses
+            table row ``position_ids[b, s]``. Checked on the host (one device sync) to lie in
+            ``[0, max_pos)``; under torch.compile the check is skipped and a bad position gives
+            NaN for that token instead of an out-of-bounds read.
+        layout: ``"bhsd"`` or ``"bshd"``.
+        interleaved: GPT-J pairs ``(2i, 2i + 1)`` instead of ``rotate_half``.
+        rotary_dim: features rotated (even, <= D); default the width of cos/sin. The other
+            ``D - R`` features pass through unchanged.
+        inplace: write the result into q and k and return them.
+
+    Returns:
+        ``(q_out, k_out)`` in q's and k's dtypes and shapes (``k_out`` None when k is None).
+        Differentiable in q and k (the backward is the same kernel with the sines negated);
+        cos, sin and position_ids receive no gradient.
+    """
+    return _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, inplace,
+                       q.dtype if isinstance(q, torch.Tensor) else None,
+                       k.dtype if isinstance(k, torch.Tensor) else None)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Drop-in for Hugging Face's ``apply_rotary_pos_emb`` (Llama and the models that copy it).
+
+    ``q * cos.unsqueeze(unsqueeze_dim) + rotate_half(q) * sin.unsqueeze(unsqueeze_dim)`` and the
+    same for k, with the same result dtype (torch's promotion of q's and cos's dtypes).
+    ``unsqueeze_dim=1`` means q/k ``[B, H, S, D]``, ``2`` means ``[B, S, H, D]``; cos/sin are
+    ``[B or 1, S, D]``. ``position_ids`` is ignored, as in transformers 4.38+, unless cos/sin
+    are ``[max_pos, D]`` tables (transformers < 4.38): then rows ``position_ids`` are used.
+    Calls the kernel when the inputs fit it, else computes Hugging Face's formula in torch (other
+    shapes, or cos/sin that need a gradient).
+    """
+    layout = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}.get(unsqueeze_dim)
+    table = position_ids is not None and cos.dim() == 2
+    fits = (layout is not None and q.dim() == 4 and (k is None or k.dim() == 4) and cos.shape[-1] == q.shape[-1]
+            and (cos.dim() == 3 or table) and use_kernels(q)
+            and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)))
+    if not fits:
+        if table:
+            cos, sin = cos[position_ids], sin[position_ids]
+        return reference.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    return _apply_rope(q, k, cos, sin, position_ids if table else None, layout, False, None, False,
+                       torch.promote_types(q.dtype, cos.dtype),
+                       None if k is None else torch.promote_types(k.dtype, cos.dtype))

@@ -1,0 +1,79 @@
+"""torch.compile of patched models: ``fullgraph=True`` (any graph break raises) gives the eager
+result, forward and backward; and ``torch.library.opcheck`` of the norm custom ops. On CPU the
+``aot_eager`` backend needs no C++ compiler, and the custom ops run the real kernels through
+Triton's interpreter; on CUDA the default (inductor) backend is used."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import llmkernels  # noqa: E402
+from llmkernels import hf  # noqa: E402
+
+from tests.conftest import DEVICE  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+from tests.test_hf import batch, make_model  # noqa: E402
+
+BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    hf.unpatch_all()
+
+
+def _loss_and_grads(model, ids, labels):
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_neox"])
+def test_compiled_patched_model_matches_eager(model_type):
+    """Llama (llama casting), Gemma 2 (gemma casting, softcapped loss), GPT-NeoX (LayerNorm,
+    partial rotary): the compiled patched model matches the eager unpatched one."""
+    torch.manual_seed(0)
+    model = make_model(model_type).train()
+    ids, labels = batch(0)
+    ref_loss, ref_grads = _loss_and_grads(model, ids, labels)
+    with torch.no_grad():
+        ref_logits = model.eval()(input_ids=ids).logits
+
+    patched = copy.deepcopy(model).train()
+    llmkernels.patch(patched)
+    compiled = torch.compile(patched, fullgraph=True, backend=BACKEND)
+    loss, grads = _loss_and_grads(compiled, ids, labels)
+    with torch.no_grad():
+        logits = compiled.eval()(input_ids=ids).logits
+
+    assert rel_err(logits, ref_logits) < 1e-5
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-4, f"grad {name}: rel err {rel_err(g, ref_grads[name]):.2e}"
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_custom_ops_opcheck(residual):
+    """Schema, fake (meta) kernels, autograd registration and dispatch of llmkernels::norm_fwd /
+    norm_bwd, on the arguments the public functions pass them."""
+    m, n = 6, 32
+    x = torch.randn(m, n, device=DEVICE, requires_grad=True)
+    w = torch.randn(n, device=DEVICE, requires_grad=True)
+    r = torch.randn(m, n, device=DEVICE, requires_grad=True) if residual else None
+    fwd_args = (x, w, None, r, 1, 1e-6, 0.0, True, True, torch.float32, torch.float32 if residual else None)
+    torch.library.opcheck(torch.ops.llmkernels.norm_fwd.default, fwd_args)
+    with torch.no_grad():  # norm_bwd is not differentiable (no double backward)
+        _, h, _, rstd = torch.ops.llmkernels.norm_fwd(*fwd_args)
+    xin = (h if residual else x).detach()
+    dy = torch.randn(m, n, device=DEVICE)
+    bwd_args = (dy, dy.clone() if residual else None, xin, w.detach(), False, None, rstd, 1, 0.0, True, True,
+                torch.float32, torch.float32 if residual else None)
+    torch.library.opcheck(torch.ops.llmkernels.norm_bwd.default, bwd_args)

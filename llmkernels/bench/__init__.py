@@ -1,0 +1,183 @@
+"""The benchmark CLI: ``llmkernels bench`` (also ``python -m llmkernels.bench``).
+
+For every op, shape, dtype and mode (fwd, bwd, fwd+bwd) it checks each provider's outputs and
+gradients against the op's float64 reference, then times it: GB/s from the op's minimum bytes,
+% of the device-to-device copy bandwidth measured first in the same process, and the speedup of
+llmkernels over the best peer. Decode shapes (M <= 256) are reported as latency in µs.
+Results go to ``--out`` (default ``benchmarks/results/<device>-<date>``) as ``results.json``,
+``results.md`` and one PNG per op x mode x dtype. Without a GPU it says so and runs only the
+check, at small sizes, through Triton's interpreter.
+
+Layout:
+  registry.py   ``Op`` and ``Provider`` (what an op declares), ``register``, ``ops()``
+  ops_*.py      one module per op family, registering its ops (``ops_norm.py``: rmsnorm,
+                layernorm, add_rmsnorm)
+  runner.py     copy ceiling, float64 check, timing, one record per (case, provider, mode)
+  report.py     speedups, console/Markdown tables, JSON, plots
+
+Adding an op (or a family) is one new file, ``llmkernels/bench/ops_<family>.py``; ``ops()``
+imports every ``ops_*`` module, so no other file changes. In it, for each op, call
+``register(Op(...))`` with (see ``registry.Op`` for each field, ``ops_norm.py`` for a full example):
+  - ``name``, the swept dimension ``axis`` with default ``sizes`` / ``quick_sizes``, and
+    ``shape(size, rows) -> {"M": ..., "N": ...}``; ``decode_shapes``; ``small_shapes`` (no GPU);
+  - ``make_inputs(shape, dtype, device) -> {name: tensor}`` (random), ``grad_inputs`` (the inputs
+    that get gradients) and ``outputs`` (names, in the order providers return them);
+  - ``reference(**inputs)``: the definition, run on float64 copies of the inputs;
+  - ``min_bytes(shape, dtype, mode)``: bytes each tensor read or written once;
+  - ``providers``: ``{"llmkernels": Provider(factory), "torch": ..., ...}`` where ``factory()``
+    returns ``fwd(**inputs)`` or raises ``Unavailable("<package> is not installed")``. The
+    backward is run for every provider by ``torch.autograd.grad`` over ``grad_inputs``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+
+from .registry import MODES, Op, Provider, Unavailable, ops, register
+
+__all__ = ["main", "Op", "Provider", "Unavailable", "ops", "register"]
+
+NO_GPU = ("No CUDA GPU found: nothing will be timed. Checking every provider's outputs and gradients "
+          "against the float64 reference at small sizes instead, through Triton's interpreter "
+          "(TRITON_INTERPRET=1, CPU tensors).")
+
+METHOD = (
+    "Method: inputs are random, each provider's outputs (fwd) or outputs and all gradients (bwd, fwd+bwd) "
+    "are checked against the op's float64 reference before timing (rel err = ||out - ref|| / ||ref||, worst "
+    "over outputs and gradients; over the dtype's tolerance: FAILED, not timed). GB/s = minimum bytes "
+    "(each input read once, each output written once) / median time of `triton.testing.do_bench` (L2 "
+    "flushed before each call). bwd times the backward alone (`torch.autograd.grad` of a retained graph, "
+    "every gradient); fwd+bwd the forward and the backward. % of copy: of the device-to-device copy "
+    "bandwidth measured in the same process (256 MiB, bytes read + written). Decode: µs per plain call "
+    "in a loop of back-to-back calls (CUDA events, median of 10 loops of 100 calls, no CUDA graph), so "
+    "Python and launch overhead count as an eager user sees them. llmkernels vs best peer: the fastest "
+    "other provider's time over llmkernels' time.")
+
+
+def _parser(registry: dict) -> argparse.ArgumentParser:
+    providers = list(dict.fromkeys(p for op in registry.values() for p in op.providers))
+    p = argparse.ArgumentParser(
+        prog="llmkernels bench",
+        description="Benchmark llmkernels against its peers: float64 check, then GB/s and % of the copy "
+                    "bandwidth (fwd, bwd, fwd+bwd) and decode latency.")
+    p.add_argument("--op", nargs="+", choices=list(registry), default=list(registry), help="ops (default: all)")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"])
+    p.add_argument("--n", nargs="+", type=int, metavar="N",
+                   help="sizes of the swept dimension (norms: the row length N); default: each op's sweep")
+    p.add_argument("--m", type=int, metavar="M", help="rows (default: 2^27 / N, 256 MiB per bf16 tensor)")
+    p.add_argument("--mode", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--providers", nargs="+", choices=providers, metavar="P",
+                   help=f"providers (default: all importable): {', '.join(providers)}")
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time decode sizes (M in 1..256, N=4096) as µs per call")
+    p.add_argument("--quick", action="store_true", help="fewer sizes (3 N, 3 decode M)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results/<device>-<date>)")
+    return p
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+class _SimpleBar:
+    """A text progress bar on stderr, for when tqdm is not installed."""
+
+    def __init__(self, total: int):
+        self.total, self.done = max(total, 1), 0
+
+    def _draw(self):
+        filled = 30 * self.done // self.total
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+        sys.stderr.flush()
+
+    def update(self, n: int):
+        self.done += n
+        self._draw()
+
+    def write(self, line: str):
+        sys.stderr.write("\r" + " " * 50 + "\r")
+        print(line, flush=True)
+        self._draw()
+
+    def close(self):
+        sys.stderr.write("\n")
+
+
+def _bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SimpleBar(total)
+    return tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    registry = ops()
+    args = _parser(registry).parse_args(argv)
+
+    import torch
+
+    from ..ops._common import INTERPRET
+    from . import report
+    from .runner import Runner, Settings
+
+    gpu = torch.cuda.is_available()
+    if not gpu and not INTERPRET:
+        # Triton reads TRITON_INTERPRET when llmkernels' kernels are defined, which happened on
+        # `import llmkernels`, before this function ran: run again in a fresh process with it set.
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        return subprocess.call([sys.executable, "-m", "llmkernels.bench", *argv], env=env)
+    if not gpu:
+        print(NO_GPU)
+
+    settings = Settings(ops=args.op, dtypes=args.dtype, sizes=args.n, rows=args.m, modes=tuple(args.mode),
+                        providers=args.providers, decode=args.decode, quick=args.quick)
+    device = torch.device("cuda" if gpu else "cpu")
+    runner = Runner(settings, device, log=print)
+    bar = _bar(runner.total())
+    runner.log, runner.progress = bar.write, bar.update
+    # Ctrl-C or a SIGTERM (a `timeout`) stops the sweep; what was measured is still written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    complete = False
+    try:
+        runner.run()
+        complete = True
+    except KeyboardInterrupt:
+        print("\ninterrupted: writing the cases measured so far")
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, previous)
+
+    meta = dict(runner.env, copy_gbps=runner.copy_gbps, command="llmkernels bench " + shlex.join(argv),
+                complete=complete)
+    out = args.out or os.path.join("benchmarks", "results",
+                                   ("cpu-interpreter" if not gpu else _slug(meta["device"])) + "-" + meta["date"])
+    os.makedirs(out, exist_ok=True)
+    skipped = [{"op": op, "provider": p, "reason": reason} for (op, p), reason in runner.skipped.items()]
+    records, skipped = report.merge(os.path.join(out, report.RESULTS_JSON), runner.records, skipped)
+    report.add_speedups(records)
+    report.write_json(os.path.join(out, report.RESULTS_JSON), meta, records, skipped)
+    with open(os.path.join(out, report.RESULTS_MD), "w") as f:
+        f.write(report.markdown(meta, records, skipped, METHOD if gpu else NO_GPU) + "\n")
+    print(report.console(records))
+    if gpu:
+        try:
+            pngs = report.plot(records, out)
+            print(f"\n{len(pngs)} plots written")
+        except ImportError:
+            print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
+    print(f"results: {out}/{report.RESULTS_JSON}, {report.RESULTS_MD}")
+    ours_bad = [r for r in runner.records if r["provider"] == report.OURS and r["status"] in ("failed", "error")]
+    if ours_bad:
+        print(f"{len(ours_bad)} llmkernels case(s) failed their check or raised: see the tables above")
+    return 1 if ours_bad or not complete else 0

@@ -1,0 +1,215 @@
+"""Benchmark registrations of the normalization family: rmsnorm, layernorm, add_rmsnorm.
+
+Inputs are ``x [M, N]`` (and ``residual [M, N]``) in the benchmark dtype, with ``weight [N]`` (and
+``bias [N]``) in the same dtype, as in a bf16 model. Default rows ``M = 2^27 / N``: 256 MiB per
+bf16 tensor. Minimum bytes count each tensor once (``e`` = element size):
+
+=============  ====================================  ========================================
+op             fwd                                   bwd
+=============  ====================================  ========================================
+rmsnorm        x, w read; y written                  x, dy, w read; dx, dw written
+layernorm      x, w, b read; y written               x, dy, w read; dx, dw, db written
+add_rmsnorm    x, residual, w read; y, h written     h, dy, dh, w read; dx, dw written
+=============  ====================================  ========================================
+
+``fwd+bwd`` counts both. add_rmsnorm (prenorm: ``h = x + residual``, ``y = rmsnorm(h)``, both
+returned) writes one gradient for x and residual: they are the same tensor when the dtypes match.
+Per-row statistics (rstd, mean: 4 bytes a row) are not counted.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import llmkernels
+
+from .. import reference
+from .registry import Op, Provider, Unavailable, need_module, register
+
+RMS_EPS = 1e-6
+LN_EPS = 1e-5
+DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+QUICK_SIZES = (1024, 8192, 65536)
+DECODE_SHAPES = tuple({"M": m, "N": 4096} for m in (1, 8, 32, 128, 256))
+SMALL_SHAPES = ({"M": 4, "N": 256}, {"M": 3, "N": 1000})
+
+
+def _shape(n: int, rows):
+    return {"M": rows if rows is not None else max(1, 2**27 // n), "N": n}
+
+
+def _randn(shape, dtype, device, scale=1.0, shift=0.0):
+    return (torch.randn(shape, dtype=torch.float32, device=device) * scale + shift).to(dtype)
+
+
+def _bytes(fwd: tuple, bwd: tuple):
+    """min_bytes from ``(tensors, vectors)`` per mode: how many ``[M, N]`` tensors and ``[N]``
+    vectors the mode reads or writes, each once."""
+    def count(shape, dtype, mode):
+        m, n = shape["M"], shape["N"]
+        per_mode = {p: (big * m * n + vec * n) * dtype.itemsize for p, (big, vec) in (("fwd", fwd), ("bwd", bwd))}
+        return per_mode["fwd"] + per_mode["bwd"] if mode == "fwd+bwd" else per_mode[mode]
+    return count
+
+
+def _compiled(fn):
+    """Provider factory: ``torch.compile(fn)`` with static shapes. The dynamo cache is reset for
+    each case, so the recompile limit never silently sends a size back to eager."""
+    def factory():
+        torch._dynamo.reset()
+        return torch.compile(fn, dynamic=False, fullgraph=True)
+    return factory
+
+
+def _liger(module, name):
+    def factory():
+        ops = need_module(f"liger_kernel.ops.{module}", "liger-kernel")
+        if not hasattr(ops, name):
+            raise Unavailable(f"this liger-kernel has no {name}")
+        return getattr(ops, name).apply
+    return factory
+
+
+def _quack():
+    return need_module("quack.rmsnorm", "quack-kernels (quack)").rmsnorm
+
+
+# --------------------------------------------------------------------------------------------
+# rmsnorm
+# --------------------------------------------------------------------------------------------
+def _rms_inputs(shape, dtype, device):
+    m, n = shape["M"], shape["N"]
+    return {"x": _randn((m, n), dtype, device), "weight": _randn((n,), dtype, device, 0.5, 1.0)}
+
+
+def _rms_hf(x, weight):
+    """Hugging Face LlamaRMSNorm written out: fp32 statistics, ``weight * x_hat.to(dtype)``."""
+    return reference.rms_norm(x, weight, eps=RMS_EPS, casting="llama")
+
+
+def _torch_rms(x, weight):
+    return F.rms_norm(x, x.shape[-1:], weight, RMS_EPS)
+
+
+def _torch_rms_factory():
+    if not hasattr(F, "rms_norm"):
+        raise Unavailable(f"torch {torch.__version__} has no F.rms_norm (torch >= 2.4)")
+    return _torch_rms
+
+
+def _liger_rms_factory():
+    apply = _liger("rms_norm", "LigerRMSNormFunction")()
+    # in_place=False: keep dy intact across the repeated timed backward calls (same bytes moved).
+    return lambda x, weight: apply(x, weight, RMS_EPS, 0.0, "llama", False)
+
+
+def _quack_rms_factory():
+    rmsnorm = _quack()
+    return lambda x, weight: rmsnorm(x, weight, eps=RMS_EPS)
+
+
+register(Op(
+    name="rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    make_inputs=_rms_inputs, grad_inputs=("x", "weight"), outputs=("y",),
+    reference=lambda x, weight: reference.rms_norm(x, weight, eps=RMS_EPS, compute_dtype=torch.float64),
+    min_bytes=_bytes(fwd=(2, 1), bwd=(3, 2)),
+    providers={
+        "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS)),
+        "torch": Provider(_torch_rms_factory),
+        "hf_eager": Provider(lambda: _rms_hf),
+        "torch_compile": Provider(_compiled(_rms_hf)),
+        "liger": Provider(_liger_rms_factory, gpu_only=True),
+        "quack": Provider(_quack_rms_factory, gpu_only=True),
+    },
+))
+
+
+# --------------------------------------------------------------------------------------------
+# layernorm
+# --------------------------------------------------------------------------------------------
+def _ln_inputs(shape, dtype, device):
+    m, n = shape["M"], shape["N"]
+    # A non-zero mean, so the centering matters.
+    return {"x": _randn((m, n), dtype, device, 1.0, 0.5), "weight": _randn((n,), dtype, device, 0.5, 1.0),
+            "bias": _randn((n,), dtype, device, 0.5)}
+
+
+def _ln_eager(x, weight, bias):
+    """LayerNorm written out in PyTorch: fp32 arithmetic, one final cast."""
+    return reference.layer_norm(x, weight, bias, eps=LN_EPS)
+
+
+def _liger_ln_factory():
+    apply = _liger("layer_norm", "LigerLayerNormFunction")()
+    return lambda x, weight, bias: apply(x, weight, bias, LN_EPS)
+
+
+register(Op(
+    name="layernorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    make_inputs=_ln_inputs, grad_inputs=("x", "weight", "bias"), outputs=("y",),
+    reference=lambda x, weight, bias: reference.layer_norm(x, weight, bias, eps=LN_EPS,
+                                                           compute_dtype=torch.float64),
+    min_bytes=_bytes(fwd=(2, 2), bwd=(3, 3)),
+    providers={
+        "llmkernels": Provider(lambda: functools.partial(llmkernels.layer_norm, eps=LN_EPS)),
+        "torch": Provider(lambda: lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, LN_EPS)),
+        "hf_eager": Provider(lambda: _ln_eager),
+        "torch_compile": Provider(_compiled(_ln_eager)),
+        "liger": Provider(_liger_ln_factory, gpu_only=True),
+    },
+))
+
+
+# --------------------------------------------------------------------------------------------
+# add_rmsnorm: h = x + residual; y = rmsnorm(h); returns (y, h) (pre-norm block)
+# --------------------------------------------------------------------------------------------
+def _add_rms_inputs(shape, dtype, device):
+    m, n = shape["M"], shape["N"]
+    return {"x": _randn((m, n), dtype, device), "residual": _randn((m, n), dtype, device),
+            "weight": _randn((n,), dtype, device, 0.5, 1.0)}
+
+
+def _add_rms_hf(x, residual, weight):
+    """The HF decoder layer's ``residual + hidden_states`` then LlamaRMSNorm, unfused."""
+    return reference.rms_norm(x, weight, eps=RMS_EPS, residual=residual, prenorm=True, casting="llama")
+
+
+def _torch_add_rms_factory():
+    rms = _torch_rms_factory()
+
+    def add_rms(x, residual, weight):
+        h = x + residual
+        return rms(h, weight), h
+    return add_rms
+
+
+def _liger_add_rms_factory():
+    apply = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")()
+    return lambda x, residual, weight: apply(x, residual, weight, RMS_EPS, 0.0, "llama", False)
+
+
+def _quack_add_rms_factory():
+    rmsnorm = _quack()
+    return lambda x, residual, weight: rmsnorm(x, weight, residual=residual, eps=RMS_EPS, prenorm=True)
+
+
+register(Op(
+    name="add_rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    make_inputs=_add_rms_inputs, grad_inputs=("x", "residual", "weight"), outputs=("y", "h"),
+    reference=lambda x, residual, weight: reference.rms_norm(
+        x, weight, eps=RMS_EPS, residual=residual, prenorm=True, compute_dtype=torch.float64),
+    min_bytes=_bytes(fwd=(4, 1), bwd=(4, 2)),
+    providers={
+        "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS, prenorm=True)),
+        "torch": Provider(_torch_add_rms_factory),
+        "hf_eager": Provider(lambda: _add_rms_hf),
+        "torch_compile": Provider(_compiled(_add_rms_hf)),
+        "liger": Provider(_liger_add_rms_factory, gpu_only=True),
+        "quack": Provider(_quack_add_rms_factory, gpu_only=True),
+    },
+))

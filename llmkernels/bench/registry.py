@@ -1,0 +1,108 @@
+"""The op registry: everything the benchmark knows about an op, declared in one place.
+
+An op family lives in one module ``llmkernels/bench/ops_<family>.py`` that builds :class:`Op`
+objects and passes each to :func:`register`. :func:`ops` imports every such module the first
+time it is called, so adding an op family touches no other file.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+
+Outputs = Union[torch.Tensor, tuple]
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+class Unavailable(Exception):
+    """Raised by a provider factory when the provider cannot run here (package not installed,
+    torch too old, ...). The message is printed as the reason it was skipped."""
+
+
+def need_module(module: str, package: str):
+    """Import ``module`` or raise :class:`Unavailable` saying that ``package`` is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise Unavailable(f"{package} is not installed ({exc})") from None
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation of an op.
+
+    factory: called once per benchmark case; returns ``fwd(**inputs) -> Tensor | tuple of
+        Tensors`` (the op's outputs in the op's order), or raises :class:`Unavailable`.
+    backward: True when ``fwd`` is differentiable. The backward is then run the same way for
+        every provider: ``torch.autograd.grad(outputs, [inputs[k] for k in op.grad_inputs],
+        grad_outputs)``, so each provider computes every gradient the op declares.
+    gpu_only: True when the provider cannot run on CPU tensors (no interpreter path): it is
+        skipped, with that reason, on a machine without a GPU.
+    """
+
+    factory: Callable[[], Callable[..., Outputs]]
+    backward: bool = True
+    gpu_only: bool = False
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op to benchmark.
+
+    name: the ``--op`` name.
+    axis: the shape dimension that sweeps (``--n`` values, the x axis of the plots).
+    sizes: default values of ``axis``; quick_sizes: those of ``--quick``.
+    shape: ``(size, rows) -> dict`` of named dims, e.g. ``{"M": 131072, "N": 1024}``; ``rows``
+        is ``--m`` (None: the op's default, sized so each tensor is about 256 MiB in bf16).
+    decode_shapes: small shapes timed as latency (µs); small_shapes: tiny shapes of the
+        correctness-only run on a machine without a GPU.
+    make_inputs: ``(shape, dtype, device) -> dict`` of input tensors, passed to providers as
+        keyword arguments (random, never zeros).
+    grad_inputs: names of the inputs that receive gradients in the bwd modes.
+    outputs: names of the outputs, in the order providers return them (tables and errors).
+    reference: the op's definition, called with the inputs upcast to float64; its outputs and
+        gradients are what every provider is checked against.
+    min_bytes: ``(shape, dtype, mode) -> int``: the fewest bytes the op must move through
+        memory in that mode (each input read once, each output written once); GB/s uses it.
+    providers: name -> :class:`Provider`, ``"llmkernels"`` first; the others are peers.
+    """
+
+    name: str
+    axis: str
+    sizes: tuple
+    quick_sizes: tuple
+    shape: Callable[[int, Optional[int]], dict]
+    decode_shapes: tuple
+    small_shapes: tuple
+    make_inputs: Callable[[dict, torch.dtype, torch.device], dict]
+    grad_inputs: tuple
+    outputs: tuple
+    reference: Callable[..., Outputs]
+    min_bytes: Callable[[dict, torch.dtype, str], int]
+    providers: dict = field(default_factory=dict)
+
+
+_OPS: dict[str, Op] = {}
+_loaded = False
+
+
+def register(op: Op) -> Op:
+    if op.name in _OPS:
+        raise ValueError(f"op {op.name!r} is registered twice")
+    _OPS[op.name] = op
+    return op
+
+
+def ops() -> dict[str, Op]:
+    """All registered ops by name, in registration order (imports every ``ops_*`` module once)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        package = importlib.import_module(__package__)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            if info.name.startswith("ops_"):
+                importlib.import_module(f"{__package__}.{info.name}")
+    return dict(_OPS)

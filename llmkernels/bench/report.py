@@ -1,0 +1,182 @@
+"""Reporting: speedups over the best peer, console and Markdown tables, JSON, PNG plots."""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+OURS = "llmkernels"
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+
+
+def _key(r: dict) -> tuple:
+    return (r["kind"], r["op"], r["mode"], r["dtype"], tuple(sorted(r["shape"].items())))
+
+
+def add_speedups(records: list) -> None:
+    """Set ``speedup_vs_best_peer`` and ``best_peer`` on each llmkernels record: the fastest
+    other provider that passed its check, and its time over ours (same bytes: the GB/s ratio)."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[_key(r)].append(r)
+    for group in groups.values():
+        peers = [r for r in group if r["provider"] != OURS and r["status"] == "ok" and r["ms"]]
+        best = min(peers, key=lambda r: r["ms"], default=None)
+        for r in group:
+            if r["provider"] == OURS:
+                ok = best is not None and r["status"] == "ok" and r["ms"]
+                r["best_peer"] = best["provider"] if best else None
+                r["speedup_vs_best_peer"] = best["ms"] / r["ms"] if ok else None
+
+
+def merge(path: str, records: list, skipped: list) -> tuple:
+    """Records of an earlier run written to the same ``results.json`` (a run split by --op or
+    --mode) are kept, except those this run measured again."""
+    if not os.path.exists(path):
+        return records, skipped
+    with open(path) as f:
+        old = json.load(f)
+    fresh = {_key(r) + (r["provider"],) for r in records}
+    kept = [r for r in old.get("records", []) if _key(r) + (r["provider"],) not in fresh]
+    seen = {(s["op"], s["provider"]) for s in skipped}
+    skipped = skipped + [s for s in old.get("skipped", []) if (s["op"], s["provider"]) not in seen]
+    return kept + records, skipped
+
+
+def write_json(path: str, meta: dict, records: list, skipped: list) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "skipped": skipped, "records": records}, f, indent=1)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+# --------------------------------------------------------------------------------------------
+def _err(r) -> str:
+    e = r.get("rel_err")
+    return f"{e:.0e}" if isinstance(e, (int, float)) else str(e)
+
+
+def _cell(r: dict) -> str:
+    if r is None:
+        return ""
+    status = r["status"]
+    if status == "failed":
+        return f"FAILED (err {_err(r)})"
+    if status in ("error", "oom"):
+        return status
+    if r["kind"] == "check":
+        return f"ok (err {_err(r)})"
+    if r["kind"] == "decode":
+        return f"{r['us']:.1f} (err {_err(r)})"
+    return f"{r['gbps']:.0f} ({r['pct_copy']:.0f}%, err {_err(r)})"
+
+
+def _speedup(r) -> str:
+    if r is None or r.get("speedup_vs_best_peer") is None:
+        return "-"
+    return f"{r['speedup_vs_best_peer']:.2f}x vs {r['best_peer']}"
+
+
+def tables(records: list) -> list:
+    """``(title, headers, rows, notes)`` per (op, dtype, kind, mode), in the records' order."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["op"], r["dtype"], r["kind"], r["mode"])].append(r)
+    out = []
+    for (op, dtype, kind, mode), group in groups.items():
+        providers = list(dict.fromkeys(r["provider"] for r in group))
+        shapes = sorted({tuple(r["shape"].items()) for r in group}, key=lambda s: [v for _, v in s])
+        by = {(tuple(r["shape"].items()), r["provider"]): r for r in group}
+        sweep = "M" if kind == "decode" else group[0]["axis"]
+        unit = {"bandwidth": "GB/s (% of copy, rel err)", "decode": "µs per call (rel err)",
+                "check": "float64 check (rel err)"}[kind]
+        copies = sorted({round(r["copy_gbps"]) for r in group if r.get("copy_gbps")})
+        title = f"{op} {mode} {dtype}" + (" decode" if kind == "decode" else "") + f" — {unit}"
+        if copies:
+            title += f"; copy {'/'.join(map(str, copies))} GB/s"
+        headers = ["shape" if kind == "check" else sweep] + providers
+        has_speedup = kind != "check" and OURS in providers and len(providers) > 1
+        if has_speedup:
+            headers.append(f"{OURS} vs best peer")
+        rows = []
+        for shape in shapes:
+            d = dict(shape)
+            first = " ".join(f"{k}={v}" for k, v in shape) if kind == "check" else str(d[sweep])
+            row = [first] + [_cell(by.get((shape, p))) for p in providers]
+            if has_speedup:
+                row.append(_speedup(by.get((shape, OURS))))
+            rows.append(row)
+        notes = [f"{r['provider']} at {' '.join(f'{k}={v}' for k, v in r['shape'].items())}: {r['note']}"
+                 for r in group if r.get("note")]
+        out.append((title, headers, rows, notes))
+    return out
+
+
+def console(records: list) -> str:
+    lines = []
+    for title, headers, rows, notes in tables(records):
+        widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+        lines += ["", title, "  ".join(h.ljust(w) for h, w in zip(headers, widths)),
+                  "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+        lines += [f"  note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def markdown(meta: dict, records: list, skipped: list, method: str) -> str:
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "cuda", "llmkernels", "liger_kernel",
+                                                   "quack_kernels") if meta.get(k))
+    lines = [f"# llmkernels benchmark — {meta['device']}, {meta['date']}", "", versions, "",
+             f"Command: `{meta['command']}`", "", method, ""]
+    if skipped:
+        lines += ["Skipped providers:", ""] + [f"- {s['provider']} ({s['op']}): {s['reason']}" for s in skipped] + [""]
+    for title, headers, rows, notes in tables(records):
+        lines += [f"## {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------
+def plot(records: list, out_dir: str) -> list:
+    """One PNG per (op, mode, dtype): GB/s against the swept size, one line per provider, the
+    copy ceiling as a horizontal line. Returns the paths written; raises ImportError without
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = defaultdict(list)
+    for r in records:
+        if r["kind"] == "bandwidth":
+            groups[(r["op"], r["mode"], r["dtype"])].append(r)
+    paths = []
+    for (op, mode, dtype), group in groups.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for provider in dict.fromkeys(r["provider"] for r in group):
+            pts = sorted((r["size"], r["gbps"]) for r in group if r["provider"] == provider and r["status"] == "ok")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=provider, linewidth=2.5 if provider == OURS else 1.5)
+        copies = [r["copy_gbps"] for r in group if r.get("copy_gbps")]
+        if copies:
+            copy = sorted(copies)[len(copies) // 2]
+            ax.axhline(copy, color="black", linestyle="--", linewidth=1, label=f"copy {copy:.0f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(group[0]["axis"])
+        ax.set_ylabel("GB/s (minimum bytes)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{op} {mode} {dtype} — {group[0]['device']}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{op}-{mode.replace('+', '')}-{dtype}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+

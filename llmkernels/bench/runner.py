@@ -1,0 +1,331 @@
+"""Running the benchmark: the copy ceiling, the float64 check of every provider, the timings.
+
+Bandwidth cases are timed with ``triton.testing.do_bench`` (median; it flushes L2 before each
+call). Decode cases are latency as an eager user sees it: CUDA events around a loop of
+``DECODE_CALLS`` back-to-back plain calls (no CUDA graph), median of ``DECODE_REPEATS`` loops,
+so Python and launch overhead count. (``do_bench`` would hide that overhead behind its L2 flush.)
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import math
+import statistics
+from dataclasses import dataclass
+from datetime import date
+from typing import Optional
+
+import torch
+
+import llmkernels
+
+from .registry import MODES, Op, Unavailable, ops
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# ||out - ref|| / ||ref|| against the float64 reference, per benchmark dtype: a gate against wrong
+# answers (a provider over it is reported as failed and not timed), not a precision ranking.
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+WARMUP_MS, REP_MS = 10, 50
+DECODE_CALLS, DECODE_REPEATS = 100, 10
+COPY_BYTES = 2**28
+
+
+@dataclass
+class Settings:
+    ops: list
+    dtypes: list
+    sizes: Optional[list] = None  # None: each op's default (or quick) sizes
+    rows: Optional[int] = None
+    modes: tuple = MODES
+    providers: Optional[list] = None  # None: all
+    decode: bool = True
+    quick: bool = False
+
+
+def environment(device: torch.device) -> dict:
+    """What every record carries: device, date and software versions."""
+    import triton
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    return {"device": name, "date": date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "llmkernels": llmkernels.__version__,
+            "liger_kernel": version("liger-kernel"), "quack_kernels": version("quack-kernels")}
+
+
+def _bench_ms(fn) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+
+
+def _latency_ms(fn) -> float:
+    """Per-call time of back-to-back plain calls (Python and launch overhead included)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(DECODE_REPEATS + 1):
+        start.record()
+        for _ in range(DECODE_CALLS):
+            fn()
+        end.record()
+        end.synchronize()
+        if i:  # the first loop warms up
+            times.append(start.elapsed_time(end) / DECODE_CALLS)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy of a 256 MiB tensor, GB/s counting bytes read plus written."""
+    src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (inf on a shape mismatch, NaN on NaN)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.inf
+    diff = (out.detach().to(ref.device, torch.float64) - ref).norm()
+    denom = ref.norm()
+    return float(diff / denom if denom > 0 else diff)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """``torch.empty``/``empty_like`` return NaN-filled tensors meanwhile, so an output that a
+    provider leaves unwritten shows as NaN instead of passing on stale memory."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+class Case:
+    """One op at one shape and dtype: random inputs and output gradients, and the float64
+    reference outputs (and, when ``grads``, reference gradients ``d<input>``)."""
+
+    def __init__(self, op: Op, shape: dict, dtype: torch.dtype, device: torch.device, grads: bool):
+        self.op, self.shape, self.dtype = op, shape, dtype
+        torch.manual_seed(0)
+        self.inputs = op.make_inputs(shape, dtype, device)
+        ref_in = {k: v.detach().double().requires_grad_(grads and k in op.grad_inputs)
+                  for k, v in self.inputs.items()}
+        with torch.enable_grad():
+            outs = _as_tuple(op.reference(**ref_in))
+        self.grad_outputs = tuple(torch.randn(o.shape, device=device).to(dtype) for o in outs)
+        self.ref = {name: o.detach() for name, o in zip(op.outputs, outs)}
+        if grads:
+            ref_grads = torch.autograd.grad(outs, [ref_in[k] for k in op.grad_inputs],
+                                            [g.double() for g in self.grad_outputs])
+            self.ref.update({f"d{k}": g for k, g in zip(op.grad_inputs, ref_grads)})
+
+    def leaves(self, grads: bool) -> dict:
+        """The inputs as fresh autograd leaves (same storage), requiring grad when ``grads``."""
+        return {k: v.detach().requires_grad_(grads and k in self.op.grad_inputs) for k, v in self.inputs.items()}
+
+    def forward(self, fn, leaves) -> tuple:
+        outs = _as_tuple(fn(**leaves))
+        if len(outs) != len(self.op.outputs):
+            raise ValueError(f"returned {len(outs)} outputs, expected {len(self.op.outputs)} {self.op.outputs}")
+        return outs
+
+    def backward_args(self, outs, leaves, retain: bool):
+        params = [leaves[k] for k in self.op.grad_inputs]
+        grad_outputs = [g.to(o.dtype) for g, o in zip(self.grad_outputs, outs)]
+        return outs, params, grad_outputs, retain
+
+    def check(self, fn, grads: bool) -> dict:
+        """Relative error of every output (and every gradient when ``grads``) of ``fn``. A first
+        call warms up (compilation, JIT); the checked call runs with poisoned allocations."""
+        leaves = self.leaves(grads)
+        outs = self.forward(fn, leaves)
+        if grads:
+            torch.autograd.grad(*self.backward_args(outs, leaves, False))
+        del outs
+        with poisoned():
+            outs = self.forward(fn, leaves)
+            got = dict(zip(self.op.outputs, outs))
+            if grads:
+                got.update(zip((f"d{k}" for k in self.op.grad_inputs),
+                               torch.autograd.grad(*self.backward_args(outs, leaves, False))))
+        return {name: rel_err(t, self.ref[name]) for name, t in got.items()}
+
+    def timed(self, fn, mode: str):
+        """The callable to time for ``mode``: the forward, the backward alone (of a retained
+        graph), or both."""
+        leaves = self.leaves(mode != "fwd")
+        if mode == "fwd":
+            return lambda: fn(**leaves)
+        outs = self.forward(fn, leaves)
+        _, params, grad_outputs, _ = self.backward_args(outs, leaves, True)
+        if mode == "bwd":
+            return lambda: torch.autograd.grad(outs, params, grad_outputs, retain_graph=True)
+        return lambda: torch.autograd.grad(_as_tuple(fn(**leaves)), params, grad_outputs)
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+class Runner:
+    """Runs the cases of ``settings`` and collects one record per (case, provider, mode).
+
+    ``log`` prints a line (above the progress bar); ``progress(n)`` advances the bar."""
+
+    def __init__(self, settings: Settings, device: torch.device, log, progress=lambda n: None):
+        self.settings, self.device, self.log, self.progress = settings, device, log, progress
+        self.timing = device.type == "cuda"
+        self.env = environment(device)
+        self.copy_gbps = None
+        self.records: list = []
+        self.skipped: dict = {}  # (op, provider) -> reason
+
+    # -- what runs ------------------------------------------------------------------------------
+    def selected_ops(self) -> list:
+        registry = ops()
+        return [registry[name] for name in self.settings.ops]
+
+    def providers(self, op: Op) -> list:
+        wanted = self.settings.providers
+        return [name for name in op.providers if wanted is None or name in wanted]
+
+    def cases(self, op: Op) -> list:
+        """``(kind, shape)`` pairs: bandwidth sweep and decode sizes on a GPU, small shapes
+        (checks only) without one."""
+        s = self.settings
+        if not self.timing:
+            return [("check", shape) for shape in op.small_shapes]
+        sizes = s.sizes or (op.quick_sizes if s.quick else op.sizes)
+        cases = [("bandwidth", op.shape(n, s.rows)) for n in sizes]
+        if s.decode:
+            decode = op.decode_shapes[::2] if s.quick else op.decode_shapes
+            cases += [("decode", shape) for shape in decode]
+        return cases
+
+    def total(self) -> int:
+        return sum(len(self.cases(op)) * len(self.providers(op)) * len(self.settings.dtypes)
+                   for op in self.selected_ops())
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self) -> list:
+        if self.timing:
+            self.copy_gbps = copy_bandwidth(self.device)
+            free_memory()
+            self.log(f"device-to-device copy: {self.copy_gbps:.0f} GB/s (the ceiling)")
+        for op in self.selected_ops():
+            for dtype_name in self.settings.dtypes:
+                for kind, shape in self.cases(op):
+                    self._run_case(op, DTYPES[dtype_name], kind, shape)
+        return self.records
+
+    def _run_case(self, op: Op, dtype: torch.dtype, kind: str, shape: dict):
+        names = self.providers(op)
+        modes = self.settings.modes
+        label = f"{op.name} {dtype_name(dtype)} " + " ".join(f"{k}={v}" for k, v in shape.items())
+        try:
+            case = Case(op, shape, dtype, self.device, grads=any(m != "fwd" for m in modes))
+        except torch.cuda.OutOfMemoryError:
+            case = None
+        if case is None:  # outside the except block, so its traceback no longer holds tensors
+            free_memory()
+            self.log(f"skipped {label}: out of GPU memory for the inputs and float64 reference")
+            self.progress(len(names))
+            return
+        for name in names:
+            self._run_provider(case, kind, name, label)
+            self.progress(1)
+        del case
+        free_memory()
+
+    def _run_provider(self, case: Case, kind: str, name: str, label: str):
+        op = case.op
+        provider = op.providers[name]
+        key = (op.name, name)
+        if key in self.skipped:
+            return
+        try:
+            fn = provider.factory()
+            if provider.gpu_only and not self.timing:
+                raise Unavailable("needs a CUDA GPU (its kernels do not run under Triton's interpreter)")
+        except Unavailable as exc:
+            self.skipped[key] = str(exc)
+            self.log(f"skipped {name} for {op.name}: {exc}")
+            return
+        checks = {}
+        for mode in self.settings.modes:
+            if mode != "fwd" and not provider.backward:
+                continue
+            if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:
+                continue  # without timing, fwd+bwd would repeat the bwd check
+            grads = mode != "fwd"
+            record = self._record(case, kind, name, mode)
+            try:
+                if grads not in checks:
+                    checks[grads] = case.check(fn, grads)
+                errors = checks[grads]
+                worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
+                record.update(errors={k: _finite(v) for k, v in errors.items()},
+                              rel_err=_finite(errors[worst]), tol=TOL[case.dtype])
+                if not errors[worst] <= TOL[case.dtype]:  # NaN fails too
+                    record["status"] = "failed"
+                    self.log(f"FAILED check: {name} {mode} {label}: {worst} rel err {errors[worst]:.2e} "
+                             f"> {TOL[case.dtype]:.0e}; not timed")
+                elif self.timing:
+                    timed = case.timed(fn, mode)
+                    ms = _latency_ms(timed) if kind == "decode" else _bench_ms(timed)
+                    del timed
+                    gbps = record["bytes"] / ms / 1e6
+                    record.update(status="ok", ms=ms, us=ms * 1e3, gbps=gbps, pct_copy=100 * gbps / self.copy_gbps)
+                else:
+                    record["status"] = "ok"
+            except torch.cuda.OutOfMemoryError:
+                record.update(status="oom", note="out of GPU memory")
+            except Exception as exc:  # a provider that breaks is reported, not fatal
+                record.update(status="error", note=_short(exc))
+            if record["status"] in ("oom", "error"):
+                self.log(f"{record['status']}: {name} {mode} {label}: {record['note']}")
+                free_memory()
+            self.records.append(record)
+
+    def _record(self, case: Case, kind: str, provider: str, mode: str) -> dict:
+        return {"op": case.op.name, "kind": kind, "mode": mode, "provider": provider,
+                "dtype": dtype_name(case.dtype), **case.shape, "shape": dict(case.shape),
+                "size": case.shape[case.op.axis], "axis": case.op.axis,
+                "bytes": case.op.min_bytes(case.shape, case.dtype, mode),
+                "status": None, "ms": None, "us": None, "gbps": None, "pct_copy": None,
+                "copy_gbps": self.copy_gbps, "rel_err": None, "errors": {}, "tol": None, "note": None,
+                **self.env}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _finite(x: float):
+    """JSON has no NaN/inf: report them as strings."""
+    return x if math.isfinite(x) else str(x)
+

@@ -1,0 +1,151 @@
+"""The benchmark CLI (llmkernels.bench): op registry, byte counts, the float64 check of every
+provider, the CLI end to end, and its no-GPU path. Small sizes: CPU + Triton's interpreter."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmkernels.bench import main, ops
+from llmkernels.bench import registry
+from llmkernels.bench.registry import Provider, Unavailable
+from llmkernels.bench.runner import TOL, Case, Runner, Settings
+
+NORM_OPS = ("rmsnorm", "layernorm", "add_rmsnorm")
+PEERS = ("llmkernels", "torch", "hf_eager", "torch_compile", "liger", "quack")
+
+
+def test_registry_declares_the_norm_ops():
+    registered = ops()
+    assert set(NORM_OPS) <= set(registered)
+    for name in NORM_OPS:
+        op = registered[name]
+        assert list(op.providers)[0] == "llmkernels"
+        assert set(op.providers) <= set(PEERS)
+        assert op.shape(1024, None) == {"M": 131072, "N": 1024}  # 256 MiB per bf16 tensor
+        assert op.shape(4096, 8) == {"M": 8, "N": 4096}
+        assert [s["M"] for s in op.decode_shapes] == [1, 8, 32, 128, 256]
+        assert all(s["N"] == 4096 for s in op.decode_shapes)
+    assert set(registered["add_rmsnorm"].grad_inputs) == {"x", "residual", "weight"}
+    assert set(registered["layernorm"].grad_inputs) == {"x", "weight", "bias"}
+
+
+@pytest.mark.parametrize("name,mode,tensors,vectors", [
+    ("rmsnorm", "fwd", 2, 1), ("rmsnorm", "bwd", 3, 2),          # x->y | x,dy->dx; w | w->dw
+    ("layernorm", "fwd", 2, 2), ("layernorm", "bwd", 3, 3),      # + bias | + db
+    ("add_rmsnorm", "fwd", 4, 1), ("add_rmsnorm", "bwd", 4, 2),  # x,res->y,h | h,dy,dh->dx
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_min_bytes(name, mode, tensors, vectors, dtype):
+    op = ops()[name]
+    m, n, e = 96, 1000, dtype.itemsize
+    assert op.min_bytes({"M": m, "N": n}, dtype, mode) == (tensors * m * n + vectors * n) * e
+    both = op.min_bytes({"M": m, "N": n}, dtype, "fwd") + op.min_bytes({"M": m, "N": n}, dtype, "bwd")
+    assert op.min_bytes({"M": m, "N": n}, dtype, "fwd+bwd") == both
+
+
+PAIRS = [(op, p) for op in NORM_OPS for p in ops()[op].providers]
+
+
+@pytest.mark.parametrize("op_name,provider", PAIRS, ids=[f"{o}-{p}" for o, p in PAIRS])
+def test_every_importable_provider_passes_the_check(op_name, provider, device):
+    op = ops()[op_name]
+    spec = op.providers[provider]
+    try:
+        fn = spec.factory()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    if spec.gpu_only and device == "cpu":
+        pytest.skip("needs a GPU")
+    if provider == "torch_compile" and device == "cpu" and op_name != "rmsnorm":
+        pytest.skip("inductor's CPU compile takes seconds per graph; rmsnorm covers the provider")
+    dtypes = [torch.bfloat16] if provider == "torch_compile" else [torch.bfloat16, torch.float32]
+    for dtype in dtypes:
+        for shape in op.small_shapes:
+            case = Case(op, shape, dtype, torch.device(device), grads=True)
+            for grads in (False, True):
+                errors = case.check(fn, grads)
+                expected = set(op.outputs) | ({f"d{k}" for k in op.grad_inputs} if grads else set())
+                assert set(errors) == expected
+                bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
+                assert not bad, f"{provider} {dtype} {shape} grads={grads}: {bad}"
+
+
+def test_a_wrong_or_unwritten_output_fails_and_is_not_timed(monkeypatch, device):
+    op = ops()["rmsnorm"]
+    exact = op.providers["hf_eager"].factory()
+    bad = dataclasses.replace(op, providers={
+        "hf_eager": op.providers["hf_eager"],
+        "scaled": Provider(lambda: lambda x, weight: exact(x, weight) * 1.1),
+        "unwritten": Provider(lambda: lambda x, weight: torch.empty_like(x), backward=False),
+        "missing": Provider(lambda: (_ for _ in ()).throw(Unavailable("demo is not installed"))),
+    })
+    monkeypatch.setitem(registry._OPS, "rmsnorm", bad)
+    lines = []
+    runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16, modes=("fwd", "bwd"),
+                             decode=False), torch.device(device), log=lines.append)
+    records = runner.run()
+    status = {(r["provider"], r["mode"], r["N"]): r["status"] for r in records}
+    assert {s for (p, _, _), s in status.items() if p == "hf_eager"} == {"ok"}
+    assert {s for (p, _, _), s in status.items() if p != "hf_eager"} == {"failed"}
+    assert {(p, m) for (p, m, _) in status if p == "unwritten"} == {("unwritten", "fwd")}  # fwd-only
+    assert all(r["ms"] is None for r in records if r["status"] == "failed")
+    assert runner.skipped == {("rmsnorm", "missing"): "demo is not installed"}
+    assert any("FAILED" in line and "unwritten" in line for line in lines)
+
+
+def _cli_flags(device):
+    # On a GPU the CLI times; keep it tiny there too. Without one it uses each op's small shapes.
+    return ["--n", "512", "--m", "64", "--no-decode"] if device == "cuda" else []
+
+
+def test_cli_end_to_end(tmp_path, capsys, device):
+    out = str(tmp_path / "run")
+    rc = main(["--op", "rmsnorm", "add_rmsnorm", "--providers", "llmkernels", "torch", "hf_eager",
+               "--out", out, *_cli_flags(device)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    if device == "cpu":
+        assert "No CUDA GPU found" in printed
+    with open(os.path.join(out, "results.json")) as f:
+        data = json.load(f)
+    records = data["records"]
+    assert {(r["op"], r["provider"]) for r in records} == {
+        (o, p) for o in ("rmsnorm", "add_rmsnorm") for p in ("llmkernels", "torch", "hf_eager")}
+    assert {r["status"] for r in records} == {"ok"}
+    required = {"op", "mode", "provider", "dtype", "M", "N", "ms", "gbps", "pct_copy", "copy_gbps", "rel_err",
+                "device", "date", "torch", "triton"}
+    assert all(required <= set(r) for r in records)
+    assert all(0 <= r["rel_err"] <= TOL[torch.bfloat16] for r in records)
+    if device == "cuda":
+        assert all(r["gbps"] > 0 and r["copy_gbps"] > 0 for r in records)
+    md = open(os.path.join(out, "results.md")).read()
+    assert "## rmsnorm fwd bf16" in md and "## add_rmsnorm bwd bf16" in md
+
+    # A second run into the same folder (a split run) adds its op and keeps the first run's.
+    assert main(["--op", "layernorm", "--providers", "llmkernels", "--mode", "fwd", "--out", out,
+                 *_cli_flags(device)]) == 0
+    with open(os.path.join(out, "results.json")) as f:
+        merged = json.load(f)["records"]
+    layernorm = [r for r in merged if r["op"] == "layernorm"]
+    assert layernorm and {r["status"] for r in layernorm} == {"ok"}
+    assert len(merged) == len(records) + len(layernorm)
+
+
+def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a GPU machine
+    out = str(tmp_path / "nogpu")
+    proc = subprocess.run([sys.executable, "-m", "llmkernels.bench", "--op", "rmsnorm", "--providers",
+                           "llmkernels", "--mode", "fwd", "--out", out],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "No CUDA GPU found" in proc.stdout
+    with open(os.path.join(out, "results.json")) as f:
+        data = json.load(f)
+    assert data["meta"]["device"].startswith("cpu")
+    assert [(r["kind"], r["status"]) for r in data["records"]] == [("check", "ok")] * len(
+        ops()["rmsnorm"].small_shapes)

@@ -29,24 +29,26 @@ from ._common import as_rows, check_tensor, next_pow2, persistent_programs, use_
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
 FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
-FWD_CHUNK = 8192  # column chunk of the blocked forward
-BWD_CHUNK = 2048  # column chunk of the blocked backward
+FWD_BLOCKED = (1, 16384, 32, False, 2)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
+BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 
 
 # --------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _scale_shift(x_hat, W, B, w_offs, mask, weight_offset, in_ty: tl.constexpr,
+def _scale_shift(x_hat, W, B, w_offs, w_mask, weight_offset, in_ty: tl.constexpr,
                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
-    """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama)."""
+    """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama).
+    ``w_offs``/``w_mask`` are [1, BLOCK_N] (one weight row broadcast over the tile's rows) or
+    [BLOCK_M, BLOCK_N] (per-head weights)."""
     if QUANTIZE:
         x_hat = x_hat.to(in_ty).to(tl.float32)
     y = x_hat
     if HAS_W:
-        y = y * (tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+        y = y * (tl.load(W + w_offs, mask=w_mask, other=0.0).to(tl.float32) + weight_offset)
     if HAS_B:
-        y = y + tl.load(B + w_offs, mask=mask, other=0.0).to(tl.float32)
+        y = y + tl.load(B + w_offs, mask=w_mask, other=0.0).to(tl.float32)
     return y
 
 
@@ -60,84 +62,88 @@ def _norm_fwd_kernel(
     PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows64 = rows.to(tl.int64)
+    """Tiles of BLOCK_M rows; program p takes tiles p, p + programs, ... (one tile each on the
+    one-pass path, a persistent loop on the blocked one)."""
     # The norm's input dtype: the residual stream's when there is one.
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
-    if PER_HEAD:
-        w_row = (rows % HEADS).to(tl.int64)[:, None] * N
-    else:
-        w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
-
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-            h = (x + r.to(tl.float32)).to(in_ty)
-            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
-            x = h.to(tl.float32)
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            xc = x
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        if PER_HEAD:
+            w_row = (rows % HEADS).to(tl.int64)[:, None] * N
+            w_row_mask = row_mask[:, None]
         else:
-            mean = tl.sum(x, axis=1) / N
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
-                         HAS_W, HAS_B, QUANTIZE)
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        # Pass 1: sum and sum of squares, shifted by the row's first element so that the
-        # LayerNorm variance does not cancel when |mean| >> std.
-        if IS_RMS:
-            shift = tl.zeros([BLOCK_M], dtype=tl.float32)
-        else:
-            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
-        acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
+            w_row = tl.zeros([1, 1], dtype=tl.int64)
+            w_row_mask = tl.full([1, 1], 1, tl.int1)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RES:
                 r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
                 h = (x + r.to(tl.float32)).to(in_ty)
-                tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask,
-                         eviction_policy="evict_last")
+                tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
                 x = h.to(tl.float32)
-            xs = tl.where(mask, x - shift[:, None], 0.0)
-            acc_sum += xs
-            acc_sq += xs * xs
-        mean_shifted = tl.sum(acc_sum, axis=1) / N
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            var = tl.sum(acc_sq, axis=1) / N
-        else:
-            mean = shift + mean_shifted
-            var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
-        rstd = 1.0 / tl.sqrt(var + eps)
-        # Pass 2: normalize; the row was just read, so it comes from L2.
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < N)[None, :]
-            if HAS_RES:
-                x = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
+            if IS_RMS:
+                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+                xc = x
             else:
-                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :], mask,
+                mean = tl.sum(x, axis=1) / N
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+            y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], w_row_mask & (cols < N)[None, :],
                              weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-    if STORE_STATS:
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        if not IS_RMS:
-            tl.store(MEAN + rows, mean, mask=row_mask)
+        else:
+            # Pass 1: sum and sum of squares, shifted by the row's first element so that the
+            # LayerNorm variance does not cancel when |mean| >> std.
+            if IS_RMS:
+                shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+            else:
+                shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+            acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                if HAS_RES:
+                    r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+                    h = (x + r.to(tl.float32)).to(in_ty)
+                    tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask,
+                             eviction_policy="evict_last")
+                    x = h.to(tl.float32)
+                xs = tl.where(mask, x - shift[:, None], 0.0)
+                acc_sum += xs
+                acc_sq += xs * xs
+            mean_shifted = tl.sum(acc_sum, axis=1) / N
+            if IS_RMS:
+                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+                var = tl.sum(acc_sq, axis=1) / N
+            else:
+                mean = shift + mean_shifted
+                var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            # Pass 2: normalize; the row was just read, and a persistent grid keeps few rows in
+            # flight, so it comes back from L2.
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                if HAS_RES:
+                    x = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32)
+                else:
+                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32)
+                y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :],
+                                 w_row_mask & (cols < N)[None, :], weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+                tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_STATS:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+            if not IS_RMS:
+                tl.store(MEAN + rows, mean, mask=row_mask)
 
 
 @triton.jit
@@ -245,23 +251,35 @@ def _norm_bwd_kernel(
 # launch heuristics
 # --------------------------------------------------------------------------------------------
 def _fwd_config(n: int, m: int):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass) for the forward of M rows of N elements."""
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the forward of M rows of
+    N elements; programs per SM 0 = one program per tile (no persistent loop).
+
+    H100 sweep (benchmarks/tune_norm.py, bf16): tiles of ~8192 elements with 16 warps reach
+    98-99% of copy for N <= 4096; one row per program with N/2048 warps up to 32768; wider
+    rows take 16384-element chunks with 32 warps.
+    """
     if n > FWD_ONE_PASS_MAX:
-        return 1, FWD_CHUNK, 16, False
+        return FWD_BLOCKED
     block_n = max(16, next_pow2(n))
-    block_m = min(max(1, 8192 // block_n), next_pow2(m))
-    num_warps = min(32, max(4, block_m * block_n // 1024))
-    return block_m, block_n, num_warps, True
+    if block_n <= 4096:
+        block_m = min(8192 // block_n, next_pow2(m))
+        return block_m, block_n, min(16, max(4, block_m * block_n // 512)), True, 0
+    return 1, block_n, min(16, max(4, block_n // 2048)), True, 0
+
+
+# block_n -> (tile elements, num_warps, programs per SM) of the one-pass backward (H100 sweep).
+_BWD_TABLE = {1024: (2048, 4, 4), 2048: (2048, 8, 4), 4096: (4096, 8, 2), 8192: (16384, 16, 1),
+              16384: (16384, 16, 1)}
 
 
 def _bwd_config(n: int, m: int):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the backward."""
     if n > BWD_ONE_PASS_MAX:
-        return 4, BWD_CHUNK, 8, False, 4
+        return BWD_BLOCKED
     block_n = max(16, next_pow2(n))
-    block_m = min(max(1, 4096 // block_n), next_pow2(m))
-    num_warps = min(32, max(4, block_m * block_n // 512))
-    return block_m, block_n, num_warps, True, 4
+    tile, num_warps, per_sm = _BWD_TABLE[max(1024, block_n)]
+    block_m = min(max(1, tile // block_n), next_pow2(m))
+    return block_m, block_n, num_warps, True, per_sm
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,8 +297,10 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass = _fwd_config(n, m)
-    _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+    block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m)
+    n_tiles = triton.cdiv(m, block_m)
+    grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
+    _norm_fwd_kernel[grid](
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
         y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
         m, n, heads,
@@ -322,7 +342,7 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
             _norm_bwd_dots_kernel[(m,)](
                 xin, xin if weight is None else weight, dy, rstd if mean is None else mean, rstd, dots,
                 n, heads, xin.stride(0), dy.stride(0), weight_offset,
-                IS_RMS=is_rms, HAS_W=weight is not None, PER_HEAD=heads > 1, BLOCK_N=FWD_CHUNK, num_warps=16,
+                IS_RMS=is_rms, HAS_W=weight is not None, PER_HEAD=heads > 1, BLOCK_N=8192, num_warps=16,
             )
         _norm_bwd_kernel[(n_progs, heads, n_chunks)](
             xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
@@ -334,8 +354,8 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
             0 if dres is None else dres.stride(0),
             weight_offset,
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
-            HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize, PRECOMPUTED_DOTS=not one_pass,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
+            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     elif dw_part is not None or db_part is not None:
         dw_part = None if dw_part is None else dw_part.zero_()

@@ -11,7 +11,7 @@ import torch
 
 from llmkernels.bench import main, ops
 from llmkernels.bench import registry
-from llmkernels.bench.registry import Provider, Unavailable
+from llmkernels.bench.registry import MODES, Provider, Unavailable
 from llmkernels.bench.runner import TOL, Case, Runner, Settings
 
 NORM_OPS = ("rmsnorm", "layernorm", "add_rmsnorm")
@@ -72,6 +72,10 @@ def test_every_importable_provider_passes_the_check(op_name, provider, device):
                 assert set(errors) == expected
                 bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
                 assert not bad, f"{provider} {dtype} {shape} grads={grads}: {bad}"
+            for mode in MODES:  # what gets timed runs repeatedly (bwd: one retained graph)
+                timed = case.timed(fn, mode)
+                timed()
+                timed()
 
 
 def test_a_wrong_or_unwritten_output_fails_and_is_not_timed(monkeypatch, device):

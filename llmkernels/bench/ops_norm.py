@@ -59,6 +59,10 @@ def _compiled(fn):
     each case, so the recompile limit never silently sends a size back to eager."""
     def factory():
         torch._dynamo.reset()
+        # Donated buffers forbid the repeated backward of one graph (retain_graph) that bwd times.
+        import torch._functorch.config as functorch_config
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         return torch.compile(fn, dynamic=False, fullgraph=True)
     return factory
 
@@ -85,7 +89,14 @@ def _rms_inputs(shape, dtype, device):
 
 
 def _rms_hf(x, weight):
-    """Hugging Face LlamaRMSNorm written out: fp32 statistics, ``weight * x_hat.to(dtype)``."""
+    """Hugging Face ``LlamaRMSNorm.forward``, op for op: fp32 statistics, ``weight * x_hat.to(dtype)``."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    return weight * h.to(x.dtype)
+
+
+def _rms_ref(x, weight):
+    """The definition (``llmkernels.reference``, fp32 arithmetic), for torch.compile."""
     return reference.rms_norm(x, weight, eps=RMS_EPS, casting="llama")
 
 
@@ -120,7 +131,7 @@ register(Op(
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS)),
         "torch": Provider(_torch_rms_factory),
         "hf_eager": Provider(lambda: _rms_hf),
-        "torch_compile": Provider(_compiled(_rms_hf)),
+        "torch_compile": Provider(_compiled(_rms_ref)),
         "liger": Provider(_liger_rms_factory, gpu_only=True),
         "quack": Provider(_quack_rms_factory, gpu_only=True),
     },
@@ -174,7 +185,12 @@ def _add_rms_inputs(shape, dtype, device):
 
 
 def _add_rms_hf(x, residual, weight):
-    """The HF decoder layer's ``residual + hidden_states`` then LlamaRMSNorm, unfused."""
+    """The HF decoder layer's ``residual + hidden_states``, then ``LlamaRMSNorm``: unfused."""
+    h = x + residual
+    return _rms_hf(h, weight), h
+
+
+def _add_rms_ref(x, residual, weight):
     return reference.rms_norm(x, weight, eps=RMS_EPS, residual=residual, prenorm=True, casting="llama")
 
 
@@ -208,7 +224,7 @@ register(Op(
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS, prenorm=True)),
         "torch": Provider(_torch_add_rms_factory),
         "hf_eager": Provider(lambda: _add_rms_hf),
-        "torch_compile": Provider(_compiled(_add_rms_hf)),
+        "torch_compile": Provider(_compiled(_add_rms_ref)),
         "liger": Provider(_liger_add_rms_factory, gpu_only=True),
         "quack": Provider(_quack_add_rms_factory, gpu_only=True),
     },

@@ -1,9 +1,10 @@
 """Running the benchmark: the copy ceiling, the float64 check of every provider, the timings.
 
-Bandwidth cases are timed with ``triton.testing.do_bench`` (median; it flushes L2 before each
-call). Decode cases are latency as an eager user sees it: CUDA events around a loop of
-``DECODE_CALLS`` back-to-back plain calls (no CUDA graph), median of ``DECODE_REPEATS`` loops,
-so Python and launch overhead count. (``do_bench`` would hide that overhead behind its L2 flush.)
+Every case is timed with ``triton.testing.do_bench`` (median; it flushes L2 before each call):
+``gpu_us``, and for bandwidth cases ``ms``/GB/s. Decode cases (small M) also get the latency an
+eager user sees, their ``ms``/``us``: CUDA events around a loop of ``DECODE_CALLS`` back-to-back
+plain calls (no CUDA graph), median of ``DECODE_REPEATS`` loops, so Python and launch overhead
+count. ``do_bench`` hides that overhead: the CPU launches the call while the GPU still flushes L2.
 """
 from __future__ import annotations
 
@@ -296,10 +297,12 @@ class Runner:
                              f"> {TOL[case.dtype]:.0e}; not timed")
                 elif self.timing:
                     timed = case.timed(fn, mode)
-                    ms = _latency_ms(timed) if kind == "decode" else _bench_ms(timed)
+                    gpu_ms = _bench_ms(timed)
+                    ms = _latency_ms(timed) if kind == "decode" else gpu_ms
                     del timed
                     gbps = record["bytes"] / ms / 1e6
-                    record.update(status="ok", ms=ms, us=ms * 1e3, gbps=gbps, pct_copy=100 * gbps / self.copy_gbps)
+                    record.update(status="ok", ms=ms, us=ms * 1e3, gpu_us=gpu_ms * 1e3, gbps=gbps,
+                                  pct_copy=100 * gbps / self.copy_gbps)
                 else:
                     record["status"] = "ok"
             except torch.cuda.OutOfMemoryError:
@@ -316,7 +319,7 @@ class Runner:
                 "dtype": dtype_name(case.dtype), **case.shape, "shape": dict(case.shape),
                 "size": case.shape[case.op.axis], "axis": case.op.axis,
                 "bytes": case.op.min_bytes(case.shape, case.dtype, mode),
-                "status": None, "ms": None, "us": None, "gbps": None, "pct_copy": None,
+                "status": None, "ms": None, "us": None, "gpu_us": None, "gbps": None, "pct_copy": None,
                 "copy_gbps": self.copy_gbps, "rel_err": None, "errors": {}, "tol": None, "note": None,
                 **self.env}
 

@@ -55,9 +55,8 @@ METHOD = (
     "every gradient); fwd+bwd the forward and the backward. % of copy: of the device-to-device copy "
     "bandwidth measured in the same process (256 MiB, bytes read + written). Decode: µs per plain call "
     "in a loop of back-to-back calls (CUDA events, median of 10 loops of 100 calls, no CUDA graph), so "
-    "Python and launch overhead count as an eager user sees them; then the GPU time alone (do_bench "
-    "median, which hides the launch overhead behind its L2 flush). llmkernels vs best peer: the fastest "
-    "other provider's time over llmkernels' time (decode: per plain call).")
+    "Python, autograd and launch overhead count as an eager user sees them (they depend on the host CPU). "
+    "llmkernels vs best peer: the fastest other provider's time over llmkernels' time.")
 
 
 def _parser(registry: dict) -> argparse.ArgumentParser:

@@ -69,7 +69,7 @@ def _cell(r: dict) -> str:
     if r["kind"] == "check":
         return f"ok (err {_err(r)})"
     if r["kind"] == "decode":
-        return f"{r['us']:.1f} / {r['gpu_us']:.1f} (err {_err(r)})"
+        return f"{r['us']:.1f} (err {_err(r)})"
     return f"{r['gbps']:.0f} ({r['pct_copy']:.0f}%, err {_err(r)})"
 
 
@@ -90,7 +90,7 @@ def tables(records: list) -> list:
         shapes = sorted({tuple(r["shape"].items()) for r in group}, key=lambda s: [v for _, v in s])
         by = {(tuple(r["shape"].items()), r["provider"]): r for r in group}
         sweep = "M" if kind == "decode" else group[0]["axis"]
-        unit = {"bandwidth": "GB/s (% of copy, rel err)", "decode": "µs per plain call / GPU µs (do_bench) (rel err)",
+        unit = {"bandwidth": "GB/s (% of copy, rel err)", "decode": "µs per plain call (rel err)",
                 "check": "float64 check (rel err)"}[kind]
         copies = sorted({round(r["copy_gbps"]) for r in group if r.get("copy_gbps")})
         title = f"{op} {mode} {dtype}" + (" decode" if kind == "decode" else "") + f" — {unit}"

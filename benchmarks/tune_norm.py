@@ -116,9 +116,9 @@ def main():
                 best = None
                 for cfg in (fwd_candidates(n) if mode == "fwd" else bwd_candidates(n)):
                     if mode == "fwd":
-                        N_._fwd_config = lambda n_, m_, cfg=cfg: cfg
+                        N_._fwd_config = lambda n_, m_, is_rms_=True, cfg=cfg: cfg
                     else:
-                        N_._bwd_config = lambda n_, m_, cfg=cfg: cfg
+                        N_._bwd_config = lambda n_, m_, is_rms_=True, cfg=cfg: cfg
                     rec = time_case(n, torch.bfloat16, args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
                     if rec and (best is None or rec["gbps"] > best["gbps"]):
                         best = rec

@@ -1,5 +1,6 @@
 """RMSNorm / LayerNorm kernels against the float64 reference: every shape class, dtype, option
 and gradient; outputs poisoned with NaN before the kernels write them."""
+import itertools
 import os
 import subprocess
 import sys
@@ -307,13 +308,13 @@ def test_errors(device):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
 def test_heuristics_cover_every_width(n):
-    for m in (1, 7, 4096):
-        bm, bn, warps, one_pass, per_sm = norm_ops._fwd_config(n, m)
+    for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
+        bm, bn, warps, one_pass, per_sm = norm_ops._fwd_config(n, m, is_rms)
         assert per_sm >= 0
         assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
         assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
         assert bm * bn <= 65536
-        bm, bn, warps, one_pass, per_sm = norm_ops._bwd_config(n, m)
+        bm, bn, warps, one_pass, per_sm = norm_ops._bwd_config(n, m, is_rms)
         assert per_sm >= 1
         assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
         assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX)

@@ -29,7 +29,7 @@ from ._common import as_rows, check_tensor, next_pow2, persistent_programs, use_
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
 FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
-FWD_BLOCKED = (1, 16384, 32, False, 2)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
+FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 
 
@@ -40,8 +40,8 @@ BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_p
 def _scale_shift(x_hat, W, B, w_offs, w_mask, weight_offset, in_ty: tl.constexpr,
                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
     """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama).
-    ``w_offs``/``w_mask`` are [1, BLOCK_N] (one weight row broadcast over the tile's rows) or
-    [BLOCK_M, BLOCK_N] (per-head weights)."""
+    The weight is loaded as a full [BLOCK_M, BLOCK_N] tile (rows repeat from L1): a broadcast
+    [1, BLOCK_N] row measured 10-25% slower on H100 (a layout conversion per tile)."""
     if QUANTIZE:
         x_hat = x_hat.to(in_ty).to(tl.float32)
     y = x_hat
@@ -72,10 +72,8 @@ def _norm_fwd_kernel(
         rows64 = rows.to(tl.int64)
         if PER_HEAD:
             w_row = (rows % HEADS).to(tl.int64)[:, None] * N
-            w_row_mask = row_mask[:, None]
         else:
-            w_row = tl.zeros([1, 1], dtype=tl.int64)
-            w_row_mask = tl.full([1, 1], 1, tl.int1)
+            w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
         if ONE_PASS:
             cols = tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
@@ -92,8 +90,8 @@ def _norm_fwd_kernel(
                 mean = tl.sum(x, axis=1) / N
                 xc = tl.where(mask, x - mean[:, None], 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-            y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], w_row_mask & (cols < N)[None, :],
-                             weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+            y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
+                             HAS_W, HAS_B, QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         else:
             # Pass 1: sum and sum of squares, shifted by the row's first element so that the
@@ -126,8 +124,7 @@ def _norm_fwd_kernel(
                 mean = shift + mean_shifted
                 var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
             rstd = 1.0 / tl.sqrt(var + eps)
-            # Pass 2: normalize; the row was just read, and a persistent grid keeps few rows in
-            # flight, so it comes back from L2.
+            # Pass 2: normalize; the row was just read, so most of it comes back from L2.
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = row_mask[:, None] & (cols < N)[None, :]
@@ -137,8 +134,8 @@ def _norm_fwd_kernel(
                 else:
                     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                                 eviction_policy="evict_first").to(tl.float32)
-                y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :],
-                                 w_row_mask & (cols < N)[None, :], weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+                y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :], mask,
+                                 weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
                 tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if STORE_STATS:
             tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -250,34 +247,39 @@ def _norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # launch heuristics
 # --------------------------------------------------------------------------------------------
-def _fwd_config(n: int, m: int):
+def _fwd_config(n: int, m: int, is_rms: bool = True):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the forward of M rows of
     N elements; programs per SM 0 = one program per tile (no persistent loop).
 
-    H100 sweep (benchmarks/tune_norm.py, bf16): tiles of ~8192 elements with 16 warps reach
-    98-99% of copy for N <= 4096; one row per program with N/2048 warps up to 32768; wider
-    rows take 16384-element chunks with 32 warps.
+    H100 sweep (benchmarks/tune_norm.py, bf16, 256 MiB): RMSNorm wants tiles of ~8192
+    elements with 16 warps for N <= 4096 (98-99% of copy); LayerNorm, with two cross-warp
+    reductions, wants ~4096-element tiles with 4-8 warps. One row per program up to 32768;
+    wider rows loop over 16384-element chunks with 32 warps (a persistent grid measured no
+    better).
     """
     if n > FWD_ONE_PASS_MAX:
         return FWD_BLOCKED
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
-        block_m = min(8192 // block_n, next_pow2(m))
-        return block_m, block_n, min(16, max(4, block_m * block_n // 512)), True, 0
-    return 1, block_n, min(16, max(4, block_n // 2048)), True, 0
+        tile, per_warp = (8192, 512) if is_rms else (4096, 512)
+        block_m = min(max(1, tile // block_n), next_pow2(m))
+        return block_m, block_n, min(16, max(4, block_m * block_n // per_warp)), True, 0
+    return 1, block_n, min(16, max(4, block_n // (2048 if is_rms else 4096))), True, 0
 
 
 # block_n -> (tile elements, num_warps, programs per SM) of the one-pass backward (H100 sweep).
-_BWD_TABLE = {1024: (2048, 4, 4), 2048: (2048, 8, 4), 4096: (4096, 8, 2), 8192: (16384, 16, 1),
-              16384: (16384, 16, 1)}
+_BWD_TABLE = {
+    True: {1024: (2048, 4, 4), 2048: (2048, 8, 4), 4096: (4096, 8, 2), 8192: (16384, 16, 1), 16384: (16384, 16, 1)},
+    False: {1024: (2048, 4, 4), 2048: (2048, 4, 4), 4096: (4096, 4, 2), 8192: (8192, 8, 1), 16384: (16384, 16, 1)},
+}
 
 
-def _bwd_config(n: int, m: int):
+def _bwd_config(n: int, m: int, is_rms: bool = True):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the backward."""
     if n > BWD_ONE_PASS_MAX:
         return BWD_BLOCKED
     block_n = max(16, next_pow2(n))
-    tile, num_warps, per_sm = _BWD_TABLE[max(1024, block_n)]
+    tile, num_warps, per_sm = _BWD_TABLE[is_rms][max(1024, block_n)]
     block_m = min(max(1, tile // block_n), next_pow2(m))
     return block_m, block_n, num_warps, True, per_sm
 
@@ -297,7 +299,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m)
+    block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
     n_tiles = triton.cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     _norm_fwd_kernel[grid](
@@ -328,7 +330,7 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     if res_dtype is not None:
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
-    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m)
+    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
     n_chunks = 1 if one_pass else triton.cdiv(n, block_n)
     rows_per_head = m // heads
     n_progs = max(1, min(triton.cdiv(rows_per_head, block_m),

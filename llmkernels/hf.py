@@ -375,7 +375,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         report.not_patched[name] = "norm class whose exact numerics llmkernels does not know"
 
     if family is None:
-        why = f"model type {model_type!r} is not one of {', '.join(_FAMILIES)}"
+        why = f"model type {model_type!r} is not one of {', '.join(supported_model_types())}"
         report.not_patched["rope"] = report.not_patched["loss"] = why
         warnings.warn(str(report), stacklevel=2)
         return report
@@ -419,7 +419,7 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
         model_type: a ``config.model_type``, one of ``supported_model_types()``.
     """
     if model_type not in _FAMILIES:
-        raise ValueError(f"model_type must be one of {', '.join(_FAMILIES)}; got {model_type!r}. "
+        raise ValueError(f"model_type must be one of {', '.join(supported_model_types())}; got {model_type!r}. "
                          "For another model, build it and call llmkernels.patch(model)")
     family = _FAMILIES[model_type]
     module = _modeling_module(family)

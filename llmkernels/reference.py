@@ -127,3 +127,56 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     q_out = q * cos + rotate_half(q) * sin
     return q_out, (None if k is None else k * cos + rotate_half(k) * sin)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-entropy and fused linear cross-entropy
+# --------------------------------------------------------------------------------------------
+def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                  softcap=None, compute_dtype=torch.float32):
+    """Cross-entropy of ``logits [M, V]`` against ``target [M]``; see ``llmkernels.cross_entropy``.
+
+    Returns ``(loss, z_loss_part, lse)``: the loss (including ``z_loss * lse**2``) and the z-loss
+    term alone, reduced alike and cast to the logits' dtype, and ``lse [M]`` in
+    ``compute_dtype`` (of the softcapped logits). Equal to ``F.cross_entropy`` with the same
+    ``ignore_index``, ``reduction`` and ``label_smoothing`` when ``z_loss = 0`` and no softcap.
+    """
+    v = logits.shape[-1]
+    z = logits.to(compute_dtype)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= v))
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and is "
+                         f"not ignore_index ({ignore_index})")
+    lse = torch.logsumexp(z, dim=-1)
+    z_target = z.gather(-1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    # (1 - eps) * (lse - z[target]) + eps * mean_j (lse - z[j])
+    rows = lse - (1.0 - label_smoothing) * z_target
+    if label_smoothing > 0:
+        rows = rows - label_smoothing * z.mean(-1)
+    z_rows = z_loss * lse * lse
+    rows = torch.where(valid, rows + z_rows, 0.0)
+    z_rows = torch.where(valid, z_rows, 0.0)
+    if reduction == "mean":
+        n = valid.sum()
+        rows, z_rows = rows.sum() / n, z_rows.sum() / n
+    elif reduction == "sum":
+        rows, z_rows = rows.sum(), z_rows.sum()
+    return rows.to(logits.dtype), z_rows.to(logits.dtype), lse
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, compute_dtype=torch.float32):
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)``; see
+    ``llmkernels.linear_cross_entropy``. Returns ``(loss, z_loss_part, lse)`` as ``cross_entropy``,
+    the first two in hidden's dtype."""
+    logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
+    if bias is not None:
+        logits = logits + bias.to(compute_dtype)
+    loss, z, lse = cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                 compute_dtype=compute_dtype)
+    return loss.to(hidden.dtype), z.to(hidden.dtype), lse

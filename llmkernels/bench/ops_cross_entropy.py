@@ -1,0 +1,84 @@
+"""Benchmark registration of cross-entropy: ``loss = cross_entropy(logits [M, V], target [M])``.
+
+bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``. Default rows
+``M = 2^27 / V``: 256 MiB of bf16 logits. Minimum bytes (``e`` = element size; the targets and
+the per-row statistics, under 0.1% at these sizes, are not counted):
+
+  fwd       logits read once:                          M V e
+  bwd       logits read, gradient written:             2 M V e
+  fwd+bwd   logits read once, gradient written once:   2 M V e
+
+The fwd+bwd bound is reached only by computing the gradient in the forward pass, which
+``llmkernels.cross_entropy(..., inplace_backward=True)`` and Liger do (both write it over the
+logits); the default llmkernels path re-reads the logits in the backward (3 M V e), so that the
+logits stay intact and the backward can run more than once, as this benchmark's bwd mode does.
+``benchmarks/cross_entropy_check.py`` times the in-place path (upstream gradient 1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import llmkernels
+
+from .. import reference
+from .registry import Op, Provider, Unavailable, need_module, register
+
+DEFAULT_SIZES = (32000, 128256, 262144)
+QUICK_SIZES = (32000, 128256)
+DECODE_SHAPES = tuple({"M": m, "V": 128256} for m in (1, 32, 256))
+SMALL_SHAPES = ({"M": 3, "V": 1000}, {"M": 5, "V": 9000})
+
+
+def _shape(v: int, rows):
+    return {"M": rows if rows is not None else max(1, 2**27 // v), "V": v}
+
+
+def _inputs(shape, dtype, device):
+    m, v = shape["M"], shape["V"]
+    logits = (torch.randn((m, v), device=device) * 2).to(dtype)
+    target = torch.randint(0, v, (m,), device=device)
+    target[::97] = -100  # a few ignored rows
+    return {"logits": logits, "target": target}
+
+
+def _min_bytes(shape, dtype, mode):
+    n = shape["M"] * shape["V"] * dtype.itemsize
+    return n if mode == "fwd" else 2 * n
+
+
+def _torch_ce(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+def _compiled_factory():
+    torch._dynamo.reset()
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False  # the bwd mode repeats the backward of one graph
+    return torch.compile(_torch_ce, dynamic=False, fullgraph=True)
+
+
+def _liger_factory():
+    ops = need_module("liger_kernel.ops.cross_entropy", "liger-kernel")
+    if not hasattr(ops, "LigerCrossEntropyFunction"):
+        raise Unavailable("this liger-kernel has no LigerCrossEntropyFunction")
+    apply = ops.LigerCrossEntropyFunction.apply
+    # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+    #  return_z_loss, return_token_accuracy, return_predicted_tokens) -> (loss, ...)
+    return lambda logits, target: apply(logits, target, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
+
+
+register(Op(
+    name="cross_entropy", axis="V", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    make_inputs=_inputs, grad_inputs=("logits",), outputs=("loss",),
+    reference=lambda logits, target: reference.cross_entropy(logits, target, compute_dtype=torch.float64)[0],
+    min_bytes=_min_bytes,
+    providers={
+        "llmkernels": Provider(lambda: llmkernels.cross_entropy),
+        "torch": Provider(lambda: _torch_ce),
+        "torch_compile": Provider(_compiled_factory),
+        "liger": Provider(_liger_factory, gpu_only=True),
+    },
+))

@@ -1,0 +1,497 @@
+"""Cross-entropy over a vocabulary: one pass over the logits with an online logsumexp.
+
+``logits [M, V]`` (rows may be strided, unit stride along V), ``target [M]``. Per row, with
+``z = softcap * tanh(logits / softcap)`` (or ``z = logits``), ``lse = logsumexp(z)`` and label
+smoothing ``eps``::
+
+    loss_row = lse - (1 - eps) * z[target] - eps / V * sum(z) + z_loss * lse**2
+    d loss_row / d z = softmax(z) * (1 + 2 * z_loss * lse) - (1 - eps) * onehot(target) - eps / V
+
+times ``1 - (z / softcap)**2`` for the softcap. Rows whose target is ``ignore_index`` have loss 0
+and gradient 0; ``mean`` divides by the number of the other rows, as ``F.cross_entropy`` does.
+
+One kernel does everything, chosen by constexpr switches:
+  - the forward reads each row once, chunk by chunk, keeping a running max and a running sum
+    of ``exp(z - max)`` rescaled whenever the max grows (the online logsumexp);
+  - the backward re-reads the logits with the saved ``lse`` and writes the gradient times the
+    upstream gradient (forward + backward: logits read twice, gradient written once);
+  - with ``inplace_backward`` the gradient is formed in the forward, in the same program right
+    after the row's statistics, and written over the logits: forward + backward then read the
+    logits once and write the gradient once. The row's second read goes in reverse chunk order,
+    so the chunks read last, still in L2, come first; rows of up to ``ONE_BLOCK_MAX`` classes
+    are held in registers and read exactly once. The backward only multiplies the gradient by
+    the upstream gradient in place, skipping rows where that is exactly 1 (``loss.backward()``).
+Statistics are fp32 whatever the logits' dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ._common import check_tensor, next_pow2, persistent_programs, use_kernels
+
+# Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py,
+# benchmarks/results/cross_entropy-h100-*.json).
+ONE_BLOCK_MAX = 8192  # rows up to this many classes are held in registers
+CHUNK = 8192          # V chunk of the online loop for wider rows
+CHUNK_WARPS = 16
+PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
+PER_SM_GRAD = 4       # ... of the passes that write a gradient (bounds the rows kept in L2)
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` / ``linear_cross_entropy`` return when ``return_z_loss`` or
+    ``return_lse`` is set. ``loss`` includes the z-loss term; ``z_loss`` is that term alone,
+    reduced like ``loss`` (for logging, no gradient); ``lse`` is the fp32 logsumexp of each
+    row ``[M]`` (no gradient). Fields not asked for are ``None``."""
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor]
+    lse: Optional[torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf)."""
+    if HAS_SOFTCAP:
+        x = softcap - 2.0 * softcap / (tl.exp(x * (2.0 / softcap)) + 1.0)
+    return x
+
+
+@triton.jit
+def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
+    """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
+    g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
+    g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
+    if HAS_SOFTCAP:
+        th = z / softcap
+        g = g * (1.0 - th * th)
+    return tl.where(valid[:, None], g, 0.0)
+
+
+@triton.jit
+def _ce_kernel(
+    X, T, LOSS, ZLOSS, LSE, DX, G, COUNT, ERR,
+    M, V, stride_x, stride_dx, stride_g, ignore_index,
+    smoothing, z_coef, softcap,
+    FORWARD: tl.constexpr, GRAD: tl.constexpr, HAS_G: tl.constexpr, MEAN: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, STORE_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PASS1_EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    """FORWARD: per-row loss (LOSS, ZLOSS), LSE, and ERR = 1 + a row whose target is out of
+    range. GRAD: DX = d loss / d logits times the row's scale (G, 1 / COUNT for ``mean``);
+    without FORWARD the statistics come from LSE (the separate backward).
+    A persistent loop: program p handles row tiles p, p + programs, ..."""
+    if MEAN:
+        count_scale = 1.0 / tl.load(COUNT).to(tl.float32)
+    else:
+        count_scale = 1.0
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        t = tl.load(T + rows, mask=row_mask, other=ignore_index).to(tl.int64)
+        valid = row_mask & (t != ignore_index)
+        in_range = (t >= 0) & (t < V)
+        bad = valid & ((t < 0) | (t >= V))
+        x_row = X + rows64[:, None] * stride_x
+
+        if ONE_BLOCK:
+            cols = tl.arange(0, BLOCK_V)
+            mask = row_mask[:, None] & (cols < V)[None, :]
+            x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            z = _softcapped(x, softcap, HAS_SOFTCAP)
+            if HAS_SOFTCAP:
+                z = tl.where(mask, z, float("-inf"))
+            m = tl.max(z, axis=1)
+            m_ref = tl.where(m == float("-inf"), 0.0, m)
+            lse = m_ref + tl.log(tl.sum(tl.exp(z - m_ref[:, None]), axis=1))
+            if HAS_SMOOTHING:
+                z_sum = tl.sum(tl.where(mask, z, 0.0), axis=1)
+        elif FORWARD:
+            # Online logsumexp: running max m and sum s of exp(z - m), rescaled as m grows.
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            s = tl.zeros([BLOCK_M], dtype=tl.float32)
+            z_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = row_mask[:, None] & (cols < V)[None, :]
+                x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf"),
+                            eviction_policy=PASS1_EVICT).to(tl.float32)
+                z = _softcapped(x, softcap, HAS_SOFTCAP)
+                if HAS_SOFTCAP:
+                    z = tl.where(mask, z, float("-inf"))
+                if HAS_SMOOTHING:
+                    z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
+                m = m_new
+            lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+        else:
+            lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+
+        if FORWARD:
+            t_safe = tl.where(in_range, t, 0)
+            x_t = tl.load(X + rows64 * stride_x + t_safe, mask=valid & in_range, other=0.0)
+            z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+            if HAS_SMOOTHING:
+                loss = lse - (1.0 - smoothing) * z_t - (smoothing / V) * z_sum
+            else:
+                loss = lse - z_t
+            if HAS_Z:
+                z_part = z_coef * lse * lse
+                loss += z_part
+                if STORE_Z:
+                    tl.store(ZLOSS + rows, tl.where(valid, z_part, 0.0), mask=row_mask)
+            loss = tl.where(bad, float("nan"), tl.where(valid, loss, 0.0))
+            tl.store(LOSS + rows, loss, mask=row_mask)
+            tl.store(LSE + rows, lse, mask=row_mask)
+            tl.store(ERR + tl.zeros([BLOCK_M], dtype=tl.int32), rows64 + 1, mask=bad)
+
+        if GRAD:
+            scale = tl.full([BLOCK_M], 1.0, tl.float32) * count_scale
+            if HAS_G:
+                scale *= tl.load(G + rows64 * stride_g, mask=row_mask, other=0.0).to(tl.float32)
+            scale = tl.where(bad, float("nan"), scale)
+            p_coef = scale
+            if HAS_Z:
+                p_coef = scale * (1.0 + 2.0 * z_coef * lse)
+            if HAS_SMOOTHING:
+                off = scale * (smoothing / V)
+                hot = scale * (1.0 - smoothing)
+            else:
+                off = tl.zeros([BLOCK_M], dtype=tl.float32)
+                hot = scale
+            dx_row = DX + rows64[:, None] * stride_dx
+            if ONE_BLOCK:
+                g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
+            else:
+                # Reverse chunk order: the chunks the forward read last are still in L2.
+                n_chunks = tl.cdiv(V, BLOCK_V)
+                for i in range(0, n_chunks):
+                    cols = (n_chunks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+                    mask = row_mask[:, None] & (cols < V)[None, :]
+                    x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                    z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+                    g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                    tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(DX, G, M, N, stride_dx, stride_g, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DX[r, :] *= G[r * stride_g] in place (stride_g = 0: one scalar), leaving tiles of rows
+    whose factors are all exactly 1 untouched: ``loss.backward()`` costs no pass over DX."""
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_R), tl.num_programs(0)):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        g = tl.load(G + rows64 * stride_g, mask=row_mask, other=1.0).to(tl.float32)
+        if tl.sum((g != 1.0).to(tl.int32), axis=0) > 0:
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                ptrs = DX + rows64[:, None] * stride_dx + cols[None, :]
+                d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(ptrs, (d * g[:, None]).to(DX.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# launch heuristics and launchers
+# --------------------------------------------------------------------------------------------
+def _config(v: int, m: int):
+    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes."""
+    if v > ONE_BLOCK_MAX:
+        return 1, CHUNK, CHUNK_WARPS, False
+    block_v = max(16, next_pow2(v))
+    block_m = min(max(1, 4096 // block_v), next_pow2(max(m, 1)))
+    num_warps = min(32, max(4, block_m * block_v // 512))
+    return block_m, block_v, num_warps, True
+
+
+def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, count=None, err=None,
+            ignore_index: int, smoothing: float, z_coef: float, softcap: Optional[float]):
+    """Run ``_ce_kernel`` on ``logits [M, V]``. With ``loss`` (and ``err``): the forward, writing
+    ``loss``, ``z_rows`` (optional), ``lse``. With ``dx``: the gradient scaled by ``g`` (a 0-d
+    or ``[M]`` tensor, optional) and by ``1 / count`` when ``count`` is given; without ``loss``
+    it uses the ``lse`` of an earlier forward."""
+    m, v = logits.shape
+    if m == 0:
+        return
+    forward, grad = loss is not None, dx is not None
+    block_m, block_v, num_warps, one_block = _config(v, m)
+    tiles = triton.cdiv(m, block_m)
+    per_sm = PER_SM_GRAD if grad else PER_SM_FWD
+    programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
+    _ce_kernel[(programs,)](
+        logits, target, lse if loss is None else loss, lse if z_rows is None else z_rows, lse,
+        logits if dx is None else dx, lse if g is None else g, lse if count is None else count,
+        target if err is None else err,
+        m, v, logits.stride(0), 0 if dx is None else dx.stride(0),
+        0 if g is None or g.dim() == 0 else g.stride(0), ignore_index,
+        smoothing, z_coef, 1.0 if softcap is None else softcap,
+        FORWARD=forward, GRAD=grad, HAS_G=g is not None, MEAN=count is not None,
+        HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
+        HAS_SOFTCAP=softcap is not None, PASS1_EVICT="evict_last" if grad else "evict_first",
+        BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block, num_warps=num_warps,
+    )
+
+
+def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
+    """``dx [R, N] *= g`` in place, ``g`` 0-d or ``[R]``; rows whose factor is 1 are skipped."""
+    r, n = dx.shape
+    if r == 0 or n == 0:
+        return
+    block_n = min(4096, max(16, next_pow2(n)))
+    block_r = max(1, 4096 // block_n)
+    programs = min(triton.cdiv(r, block_r), persistent_programs(dx.device, 8))
+    _scale_rows_kernel[(programs,)](dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0),
+                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
+
+
+def check_target_flag(err: torch.Tensor, target: torch.Tensor, v: int, ignore_index: int) -> None:
+    """Raise ValueError if the forward flagged a target outside ``[0, V)``. Reading the flag
+    waits for the kernel (a device sync); skipped while a CUDA graph is being captured."""
+    if err.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    row = int(err.item()) - 1
+    if row >= 0:
+        raise ValueError(f"target[{row}] = {int(target[row].item())} is outside [0, {v}) (the vocabulary "
+                         f"size) and is not ignore_index ({ignore_index})")
+
+
+def reduce_rows(rows: torch.Tensor, reduction: str, count: Optional[torch.Tensor], dtype: torch.dtype):
+    if reduction == "none":
+        return rows.to(dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / count
+    return total.to(dtype)
+
+
+def _ce_forward(logits, target, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
+                softcap: Optional[float], want_z: bool, check: bool, dx: Optional[torch.Tensor] = None):
+    """Forward of ``cross_entropy``. With ``dx`` (``logits`` itself, or a ``[M, V]`` buffer),
+    also writes the gradient of the reduced loss for an upstream gradient of 1.
+    Returns (loss, z-loss part or None, lse [M] fp32, count (0-d int64, ``mean`` only) or None)."""
+    m, v = logits.shape
+    dev = logits.device
+    lse = torch.empty(m, dtype=torch.float32, device=dev)
+    loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
+    z_rows = torch.empty(m, dtype=torch.float32, device=dev) if want_z and z_coef > 0 else None
+    count = (target != ignore_index).sum() if reduction == "mean" else None
+    err = torch.zeros(1, dtype=torch.int64, device=dev)
+    _launch(logits, target, lse, loss=loss_rows, z_rows=z_rows, dx=dx, count=count, err=err,
+            ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    loss = reduce_rows(loss_rows, reduction, count, logits.dtype)
+    z = None
+    if want_z:
+        z = reduce_rows(z_rows, reduction, count, logits.dtype) if z_rows is not None else torch.zeros_like(loss)
+    if check:
+        check_target_flag(err, target, v, ignore_index)
+    return loss, z, lse, count
+
+
+def _ce_backward(grad, logits, target, lse, count, ignore_index: int, smoothing: float, z_coef: float,
+                 softcap: Optional[float]):
+    """The separate backward: re-reads the logits, with the forward's ``lse``."""
+    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _launch(logits, target, lse, dx=dx, g=grad, count=count, ignore_index=ignore_index,
+            smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# autograd: an autograd.Function for eager mode; custom ops (separate backward) for torch.compile
+# --------------------------------------------------------------------------------------------
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, inplace, check):
+        needs_grad = ctx.needs_input_grad[0]
+        ctx.fused = needs_grad and inplace
+        loss, z, lse, count = _ce_forward(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
+                                          want_z, check, dx=logits if ctx.fused else None)
+        if ctx.fused:
+            # Other autograd nodes that saved these logits now fail loudly instead of silently
+            # using the gradient.
+            torch.autograd.graph.increment_version(logits)
+            ctx.save_for_backward(logits)
+            ctx.consumed = False
+        elif needs_grad:
+            ctx.save_for_backward(logits, target, lse, count)
+            ctx.options = (ignore_index, smoothing, z_coef, softcap)
+        ctx.mark_non_differentiable(lse, *([] if z is None else [z]))
+        return loss, z, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_z, grad_lse):
+        if ctx.fused:
+            if ctx.consumed:
+                raise RuntimeError("cross_entropy(inplace_backward=True) formed its gradient in the forward and "
+                                   "scaled it in place: backward can run through it only once")
+            ctx.consumed = True
+            (dx,) = ctx.saved_tensors
+            scale_rows_(dx, grad)
+            return dx, None, None, None, None, None, None, None, None, None
+        logits, target, lse, count = ctx.saved_tensors
+        dx = _ce_backward(grad, logits, target, lse, count, *ctx.options)
+        return dx, None, None, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("llmkernels::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, smoothing: float,
+               z_coef: float, softcap: Optional[float], want_z: bool,
+               check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, z, lse, count = _ce_forward(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
+                                      want_z, check)
+    empty = logits.new_empty(0, dtype=torch.float32)
+    return loss, (empty if z is None else z), lse, (target.new_empty(0, dtype=torch.int64) if count is None else count)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check):
+    m = logits.shape[0]
+    loss = logits.new_empty((m,) if reduction == "none" else ())
+    z = loss.new_empty(loss.shape) if want_z else logits.new_empty(0, dtype=torch.float32)
+    count = target.new_empty((), dtype=torch.int64) if reduction == "mean" else target.new_empty(0, dtype=torch.int64)
+    return loss, z, logits.new_empty(m, dtype=torch.float32), count
+
+
+@torch.library.custom_op("llmkernels::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+               count: Optional[torch.Tensor], ignore_index: int, smoothing: float, z_coef: float,
+               softcap: Optional[float]) -> torch.Tensor:
+    return _ce_backward(grad, logits, target, lse, count, ignore_index, smoothing, z_coef, softcap)
+
+
+@_ce_bwd_op.register_fake
+def _(grad, logits, target, lse, count, ignore_index, smoothing, z_coef, softcap):
+    return logits.new_empty(logits.shape)
+
+
+def _ce_op_setup_context(ctx, inputs, output):
+    logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check = inputs
+    _, _, lse, count = output
+    ctx.save_for_backward(logits, target, lse, count if reduction == "mean" else None)
+    ctx.options = (ignore_index, smoothing, z_coef, softcap)
+
+
+def _ce_op_backward(ctx, grad, grad_z, grad_lse, grad_count):
+    logits, target, lse, count = ctx.saved_tensors
+    dx = _ce_bwd_op(grad, logits, target, lse, count, *ctx.options)
+    return dx, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("llmkernels::cross_entropy_fwd", _ce_op_backward, setup_context=_ce_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap) -> None:
+    """Validate the options shared by ``cross_entropy`` and ``linear_cross_entropy``."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
+def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
+    check_tensor("target", target, like=like, floating=False)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32 class indices, got dtype {target.dtype}")
+    if target.dim() != 1 or target.shape[0] != m:
+        raise ValueError(f"target must have shape [{m}] (one class index per row of {rows_of}), "
+                         f"got {list(target.shape)}")
+
+
+def package_output(loss, z, lse, return_z_loss: bool, return_lse: bool):
+    if not (return_z_loss or return_lse):
+        return loss
+    return CrossEntropyOutput(loss, z.detach() if return_z_loss else None, lse.detach() if return_lse else None)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                  return_z_loss: bool = False, return_lse: bool = False, inplace_backward: bool = False,
+                  check_targets: bool = True):
+    """Cross-entropy of ``logits [M, V]`` against class indices ``target [M]``.
+
+    Equal to ``torch.nn.functional.cross_entropy(logits, target, ignore_index=...,
+    reduction=..., label_smoothing=...)`` (within rounding), plus:
+
+    Args:
+        logits: ``[M, V]`` float32/bfloat16/float16 (float64 runs the reference); rows may be
+            strided (a slice of a bigger tensor) as long as V has unit stride. V up to 262144
+            and beyond; statistics in fp32.
+        target: ``[M]`` int64 or int32 in ``[0, V)``, or ``ignore_index``.
+        ignore_index: rows with this target get loss 0 and gradient 0, and ``mean`` does not
+            count them (all rows ignored: ``mean`` is NaN, as in PyTorch).
+        reduction: ``"mean"`` (over the rows not ignored), ``"sum"`` or ``"none"`` (``[M]``).
+        label_smoothing: eps in [0, 1]: the target distribution is ``(1 - eps) * onehot + eps / V``.
+        z_loss: adds ``z_loss * lse**2`` per row (PaLM's auxiliary loss keeping ``lse`` near 0).
+        softcap: Gemma 2's final-logit soft cap: the logits become ``softcap * tanh(logits /
+            softcap)`` before the softmax.
+        return_z_loss, return_lse: return a :class:`CrossEntropyOutput` ``(loss, z_loss, lse)``
+            instead of ``loss`` alone: ``z_loss`` is the z-loss term reduced like ``loss``
+            (already included in ``loss``; zeros when ``z_loss=0``), ``lse`` the fp32
+            logsumexp of every row ``[M]`` (of the softcapped logits). Both carry no gradient.
+        inplace_backward: when a gradient is needed, form it during the forward and write it
+            into ``logits``: forward + backward then read the logits once and write the
+            gradient once, and training needs no second ``[M, V]`` buffer. **The logits are
+            overwritten** (autograd raises if another op saved them for its backward), and
+            the backward can run only once. The backward multiplies by the upstream gradient
+            in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
+            under torch.compile.
+        check_targets: raise ValueError when a target is outside ``[0, V)`` and not
+            ``ignore_index``. The check reads one flag the kernel sets, which waits for the
+            kernel to finish (one device sync per call, a few microseconds; skipped during
+            CUDA graph capture). With ``False`` there is no sync, and such rows give a NaN
+            loss. Either way no memory outside the logits is read.
+
+    Returns:
+        ``loss`` in the logits' dtype (0-d, or ``[M]`` for ``"none"``), or a
+        :class:`CrossEntropyOutput`. Differentiable in ``logits``.
+
+    Without ``inplace_backward`` the backward re-reads the logits (saved, not copied) with the
+    forward's fp32 ``lse`` and writes a new gradient.
+    """
+    check_tensor("logits", logits)
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must have shape [M, V] with V >= 1, got {list(logits.shape)}")
+    check_target(target, logits.shape[0], logits, "logits")
+    check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+    smoothing, z_coef = float(label_smoothing), float(z_loss)
+    softcap = None if softcap is None else float(softcap)
+    if not use_kernels(logits) or logits.dtype == torch.float64:
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        loss, z, lse = reference.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                                               label_smoothing=smoothing, z_loss=z_coef, softcap=softcap,
+                                               compute_dtype=compute)
+        return package_output(loss, z, lse, return_z_loss, return_lse)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if torch.compiler.is_compiling():
+        loss, z, lse, _ = _ce_fwd_op(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
+                                     return_z_loss, check_targets)
+    else:
+        loss, z, lse = _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, smoothing, z_coef,
+                                                   softcap, return_z_loss, inplace_backward, check_targets)
+    return package_output(loss, z, lse, return_z_loss, return_lse)

@@ -1,0 +1,316 @@
+"""Fused linear + cross-entropy: the loss of ``hidden @ weight.T (+ bias)`` without the logits.
+
+``hidden [M, H]``, ``weight [V, H]`` (an LM head), ``target [M]``. Rows are processed in chunks
+of ``C`` so that only a ``[C, V]`` block of logits ever exists. Per chunk:
+
+    logits = hidden_chunk @ weight.T (+ bias)                 cuBLAS, in hidden's dtype
+    loss rows, lse, and d logits written over the logits       the cross-entropy kernel
+    grad_hidden_chunk = d logits @ weight                      cuBLAS
+    grad_weight += d logits.T @ hidden_chunk                   cuBLAS, fp32 accumulator
+    grad_bias += d logits summed over rows                     fp32
+
+With ``reduction`` ``"mean"`` or ``"sum"`` the gradients are formed during the forward (for an
+upstream gradient of 1; the backward multiplies them by the actual one, skipping that when it
+is 1). With ``"none"`` the upstream gradient differs per row, so the forward keeps only ``lse``
+and the backward recomputes each chunk's logits (one more matmul).
+
+Chunk size: ``ROWS_PER_CHUNK`` rows by default (each chunk's weight-gradient matmul then does
+~500 flops per byte of the ``[V, H]`` fp32 accumulator it reads and writes, so it stays
+compute-bound on H100-class GPUs), fewer if a chunk's logits would take over a quarter of the
+free device memory, then evened out so the last chunk is not a sliver.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from .. import reference
+from ._common import check_tensor, use_kernels
+from .cross_entropy import (_launch, check_loss_options, check_target, check_target_flag, package_output,
+                            reduce_rows, scale_rows_)
+
+ROWS_PER_CHUNK = 2048
+
+
+def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int]) -> int:
+    """Rows per chunk (see the module docstring); ``chunk_size`` overrides."""
+    if m == 0:
+        return 1
+    if chunk_size is not None:
+        return min(chunk_size, m)
+    rows = min(m, ROWS_PER_CHUNK)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        rows = max(1, min(rows, free // (4 * v * element_size)))
+    return triton.cdiv(m, triton.cdiv(m, rows))
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16 products,
+    in cuBLAS's epilogue on CUDA: no ``[V, H]`` temporary)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=None, count=None,
+             loss_rows=None, z_rows=None, err=None, ignore_index: int, smoothing: float, z_coef: float,
+             softcap: Optional[float]) -> None:
+    """The chunk loop. With ``loss_rows``: the forward, writing ``loss_rows`` (``z_rows``),
+    ``lse``, ``err``; without: the backward, using ``lse``. ``grads = (grad_hidden, grad_weight_acc, grad_bias_acc)``, each optional: filled
+    with the gradient for upstream gradient ``g`` (None: 1) and ``1 / count`` (``mean``)."""
+    grad_hidden, grad_weight, grad_bias = grads
+    want_grad = any(t is not None for t in grads)
+    m = hidden.shape[0]
+    for a in range(0, m, chunk):
+        b = min(m, a + chunk)
+        h = hidden[a:b]
+        logits = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+        _launch(logits, target[a:b], lse[a:b],
+                loss=None if loss_rows is None else loss_rows[a:b], z_rows=None if z_rows is None else z_rows[a:b],
+                dx=logits if want_grad else None, g=None if g is None else (g if g.dim() == 0 else g[a:b]),
+                count=count, err=err, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+        if grad_hidden is not None:
+            torch.mm(logits, weight, out=grad_hidden[a:b])
+        if grad_weight is not None:
+            _accumulate_mm(grad_weight, logits.t(), h)
+        if grad_bias is not None:
+            grad_bias += logits.sum(0, dtype=grad_bias.dtype)
+
+
+def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype):
+    need_h, need_w, need_b = need
+    acc = accum_dtype or weight.dtype
+    return (torch.empty_like(hidden) if need_h else None,
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
+            torch.zeros(bias.shape, dtype=(accum_dtype or bias.dtype), device=bias.device) if need_b else None)
+
+
+def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
+                 softcap: Optional[float], want_z: bool, check: bool, chunk_size: Optional[int],
+                 accum_dtype: Optional[torch.dtype], need: tuple):
+    """Returns (loss, z part or None, lse [M] fp32, count or None, grad_hidden, grad_weight,
+    grad_bias), the gradients (each None unless ``need``-ed, and only for reductions other
+    than ``"none"``) for an upstream gradient of 1, in the parameters' dtypes."""
+    m, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse = torch.empty(m, dtype=torch.float32, device=dev)
+    loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
+    z_rows = torch.empty(m, dtype=torch.float32, device=dev) if want_z and z_coef > 0 else None
+    count = (target != ignore_index).sum() if reduction == "mean" else None
+    err = torch.zeros(1, dtype=torch.int64, device=dev)
+    fused = reduction != "none" and any(need)
+    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype) if fused else (None, None, None)
+    chunk = chunk_rows(m, v, hidden.element_size(), dev, chunk_size)
+    _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
+             loss_rows=loss_rows, z_rows=z_rows, err=err, ignore_index=ignore_index, smoothing=smoothing,
+             z_coef=z_coef, softcap=softcap)
+    loss = reduce_rows(loss_rows, reduction, count, hidden.dtype)
+    z = None
+    if want_z:
+        z = reduce_rows(z_rows, reduction, count, hidden.dtype) if z_rows is not None else torch.zeros_like(loss)
+    if check:
+        check_target_flag(err, target, v, ignore_index)
+    gh, gw, gb = grads
+    gw = None if gw is None else gw.to(weight.dtype)
+    gb = None if gb is None else gb.to(bias.dtype)
+    return loss, z, lse, count, gh, gw, gb
+
+
+def _lce_backward(grad, hidden, weight, target, bias, lse, ignore_index: int, smoothing: float, z_coef: float,
+                  softcap: Optional[float], chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
+                  need: tuple):
+    """Backward of ``reduction="none"`` (``grad [M]``): recompute each chunk's logits."""
+    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype)
+    chunk = chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
+    _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, g=grad,
+             ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    gh, gw, gb = grads
+    return gh, (None if gw is None else gw.to(weight.dtype)), (None if gb is None else gb.to(bias.dtype))
+
+
+def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t *= grad`` (a 0-d upstream gradient) in place, skipped when it is 1. ``t``: ``[R, N]``
+    or ``[N]``."""
+    if t is not None:
+        scale_rows_(t if t.dim() == 2 else t.view(1, -1), grad)
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# autograd: an autograd.Function for eager mode, custom ops for torch.compile
+# --------------------------------------------------------------------------------------------
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z,
+                check, chunk_size, accum_dtype):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        loss, z, lse, count, gh, gw, gb = _lce_forward(hidden, weight, target, bias, ignore_index, reduction,
+                                                       smoothing, z_coef, softcap, want_z, check, chunk_size,
+                                                       accum_dtype, need)
+        ctx.reduction, ctx.consumed = reduction, False
+        if reduction != "none":
+            ctx.save_for_backward(gh, gw, gb)
+        elif any(need):
+            ctx.save_for_backward(hidden, weight, target, bias, lse)
+            ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need)
+        ctx.mark_non_differentiable(lse, *([] if z is None else [z]))
+        return loss, z, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_z, grad_lse):
+        if ctx.reduction == "none":
+            hidden, weight, target, bias, lse = ctx.saved_tensors
+            gh, gw, gb = _lce_backward(grad, hidden, weight, target, bias, lse, *ctx.options)
+        else:
+            if ctx.consumed:
+                raise RuntimeError("linear_cross_entropy formed its gradients in the forward and scales them in "
+                                   "place: backward can run through it only once (retain_graph is not supported)")
+            ctx.consumed = True
+            gh, gw, gb = (_scaled(t, grad) for t in ctx.saved_tensors)
+        return gh, gw, None, gb, None, None, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("llmkernels::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                ignore_index: int, reduction: str, smoothing: float, z_coef: float, softcap: Optional[float],
+                want_z: bool, check: bool, chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
+                need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    loss, z, lse, _, gh, gw, gb = _lce_forward(hidden, weight, target, bias, ignore_index, reduction, smoothing,
+                                               z_coef, softcap, want_z, check, chunk_size, accum_dtype, tuple(need))
+    # Absent outputs are distinct empty tensors: custom op outputs may not alias each other.
+    return loss, (hidden.new_empty(0) if z is None else z), lse, *(hidden.new_empty(0) if t is None else t
+                                                                     for t in (gh, gw, gb))
+
+
+@_lce_fwd_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
+      accum_dtype, need):
+    m = hidden.shape[0]
+    loss = hidden.new_empty((m,) if reduction == "none" else ())
+    fused = reduction != "none"
+    return (loss, loss.new_empty(loss.shape if want_z else 0), hidden.new_empty(m, dtype=torch.float32),
+            hidden.new_empty(hidden.shape if fused and need[0] else 0),
+            weight.new_empty(weight.shape if fused and need[1] else 0),
+            hidden.new_empty(0) if not (fused and need[2]) else bias.new_empty(bias.shape))
+
+
+@torch.library.custom_op("llmkernels::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, smoothing: float, z_coef: float,
+                softcap: Optional[float], chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
+                need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _lce_backward(grad, hidden, weight, target, bias, lse, ignore_index, smoothing, z_coef, softcap,
+                          chunk_size, accum_dtype, tuple(need))
+    return tuple(hidden.new_empty(0) if t is None else t for t in grads)
+
+
+@_lce_bwd_op.register_fake
+def _(grad, hidden, weight, target, bias, lse, ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype,
+      need):
+    return (hidden.new_empty(hidden.shape if need[0] else 0), weight.new_empty(weight.shape if need[1] else 0),
+            bias.new_empty(bias.shape) if need[2] else hidden.new_empty(0))
+
+
+def _lce_op_setup_context(ctx, inputs, output):
+    (hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
+     accum_dtype, need) = inputs
+    _, _, lse, gh, gw, gb = output
+    ctx.reduction, ctx.need = reduction, need
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias, lse)
+        ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need)
+    else:
+        ctx.save_for_backward(gh, gw, gb)
+
+
+def _lce_op_backward(ctx, grad, grad_z, grad_lse, grad_gh, grad_gw, grad_gb):
+    if ctx.reduction == "none":
+        hidden, weight, target, bias, lse = ctx.saved_tensors
+        grads = _lce_bwd_op(grad, hidden, weight, target, bias, lse, *ctx.options)
+    else:
+        grads = tuple(t * grad for t in ctx.saved_tensors)
+    gh, gw, gb = (t if n else None for t, n in zip(grads, ctx.need))
+    return gh, gw, None, gb, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("llmkernels::linear_cross_entropy_fwd", _lce_op_backward,
+                                setup_context=_lce_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                         return_z_loss: bool = False, return_lse: bool = False, check_targets: bool = True,
+                         chunk_size: Optional[int] = None, accum_dtype: Optional[torch.dtype] = torch.float32):
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without materializing the
+    ``[M, V]`` logits: rows go through in chunks (see the module docstring).
+
+    Args:
+        hidden: ``[M, H]`` float32/bfloat16/float16 (float64 runs the reference).
+        weight: ``[V, H]``, hidden's dtype (an LM head / tied embedding).
+        target: ``[M]`` int64/int32 class indices, or ``ignore_index``.
+        bias: ``[V]`` in weight's dtype, or None.
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_z_loss, return_lse,
+        check_targets: as in :func:`llmkernels.cross_entropy`.
+        chunk_size: rows per chunk (default: chosen from M, V and the free device memory; a
+            chunk's logits take ``chunk_size * V`` elements).
+        accum_dtype: dtype in which the weight and bias gradients are summed over chunks:
+            float32 (default; a ``[V, H]`` fp32 buffer during the forward) or None for the
+            parameters' own dtype (half the memory, one rounding per chunk).
+
+    Returns:
+        ``loss`` in hidden's dtype (0-d, or ``[M]`` for ``"none"``), or a
+        :class:`llmkernels.CrossEntropyOutput`. Differentiable in hidden, weight and bias.
+
+    With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
+    the backward can run only once through this call.
+    """
+    check_tensor("hidden", hidden)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must have shape [M, H], got {list(hidden.shape)}")
+    check_tensor("weight", weight, like=hidden)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must have shape [V, H] = [V, {hidden.shape[1]}] with V >= 1, "
+                         f"got {list(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, like=hidden)
+        if bias.shape != weight.shape[:1] or bias.dtype != weight.dtype:
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] and dtype {weight.dtype}, "
+                             f"got {list(bias.shape)} {bias.dtype}")
+    check_target(target, hidden.shape[0], hidden, "hidden")
+    check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"accum_dtype must be torch.float32 or None, got {accum_dtype!r}")
+    smoothing, z_coef = float(label_smoothing), float(z_loss)
+    softcap = None if softcap is None else float(softcap)
+    if not use_kernels(hidden) or hidden.dtype == torch.float64:
+        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        loss, z, lse = reference.linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing,
+            z_loss=z_coef, softcap=softcap, compute_dtype=compute)
+        return package_output(loss, z, lse, return_z_loss, return_lse)
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad]
+    if torch.compiler.is_compiling():
+        loss, z, lse, *_ = _lce_fwd_op(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef,
+                                       softcap, return_z_loss, check_targets, chunk_size, accum_dtype, need)
+    else:
+        loss, z, lse = _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
+                                                         smoothing, z_coef, softcap, return_z_loss, check_targets,
+                                                         chunk_size, accum_dtype)
+    return package_output(loss, z, lse, return_z_loss, return_lse)

@@ -26,7 +26,10 @@ from llmkernels import reference
 from llmkernels.ops import rope as rope_ops
 
 B, HQ, HK, S, D = 8, 32, 8, 4096, 128
-CONFIGS = [(1, 32, 8, 4), (1, 32, 8, 8), (2, 32, 8, 8), (1, 16, 8, 4), (2, 16, 8, 4), (4, 32, 8, 16)]
+# (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps). Earlier runs (2026-11-22, results/rope-h100-*-run*.json)
+# also timed (1, 32, 8, 8), (2, 32, 8, 8), (4, 32, 8, 16), (2, 16, 8, 4), (1, 16, 8, 2), (1, 16, 4, 4):
+# none faster than 4 warps with 8-16 heads a step.
+CONFIGS = [(1, 32, 8, 4), (1, 16, 8, 4), (1, 8, 8, 4), (2, 8, 8, 4), (1, 8, 8, 2), (1, 4, 4, 4)]
 
 
 def bench(fn):
@@ -68,6 +71,9 @@ def providers(layout):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", nargs="+", default=["bhsd", "bshd", "bhsd_view"])
+    ap.add_argument("--providers", nargs="+", help="default: all")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
@@ -86,12 +92,12 @@ def main():
              ("bshd", "bshd", lambda h: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16)),
              ("bhsd_view", "bhsd",
               lambda h: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2))]
-    for name_layout, layout, make in cases:
+    for name_layout, layout, make in [c for c in cases if c[0] in args.layouts]:
         q, k = make(HQ), make(HK)
         qk_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
         cos_bytes = 2 * cos.numel() * cos.element_size()
         shape = {"B": B, "Hq": HQ, "Hk": HK, "S": S, "D": D, "layout": name_layout}
-        provs = providers(layout)
+        provs = {n: f for n, f in providers(layout).items() if not args.providers or n in args.providers}
         # Check at this size: against the float64 reference (Liger rotates its input in place,
         # so each provider gets copies).
         q_ref, k_ref = reference.apply_rope(q.double(), k.double(), cos.double(), sin.double(), layout=layout,
@@ -113,7 +119,8 @@ def main():
             print(f"{name_layout} {mode:4s} {provider:28s} {ms * 1e3:8.1f} us {r['gbps']:6.0f} GB/s "
                   f"({r['frac_of_copy']:.2f} x copy)", flush=True)
 
-        if name_layout != "bhsd_view":  # kernel configs on the forward launcher, as apply_rope calls it
+        if name_layout != "bhsd_view" and not args.no_sweep:
+            # Kernel configs on the forward launcher, called as apply_rope calls it.
             qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if layout == "bhsd" else (q, k)
             qo, ko = torch.empty_like(qv), torch.empty_like(kv)
             cx = cos.expand(B, S, D)

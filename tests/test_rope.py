@@ -191,6 +191,22 @@ def test_only_q_output_used():
     assert k.grad is None or (k.grad == 0).all()
 
 
+def test_double_backward():
+    """The backward is the op itself, so it is differentiable too (e.g. gradient penalties)."""
+    q = torch.randn(2, 3, 4, 16, device=DEVICE, requires_grad=True)
+    cos, sin = (torch.randn(4, 16, device=DEVICE) for _ in range(2))
+    g = torch.randn(2, 3, 4, 16, device=DEVICE, requires_grad=True)
+    h = torch.randn(2, 3, 4, 16, device=DEVICE)
+    (dq,) = torch.autograd.grad(llmkernels.apply_rope(q, None, cos, sin)[0], q, g, create_graph=True)
+    (dg,) = torch.autograd.grad(dq, g, h)
+    q64, g64 = q.detach().to(F64).requires_grad_(), g.detach().to(F64).requires_grad_()
+    out64 = reference.apply_rope(q64, None, cos.to(F64), sin.to(F64), compute_dtype=F64)[0]
+    (dq64,) = torch.autograd.grad(out64, q64, g64, create_graph=True)
+    (dg64,) = torch.autograd.grad(dq64, g64, h.to(F64))
+    assert_close(dq, dq64, torch.float32, "dq")
+    assert_close(dg, dg64, torch.float32, "d(dq)/dg")
+
+
 def test_empty_sequence():
     q, k = torch.randn(2, 4, 0, 16, device=DEVICE), torch.randn(2, 2, 0, 16, device=DEVICE)
     cos, sin = rope_tables(0, 16)

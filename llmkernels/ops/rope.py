@@ -35,8 +35,11 @@ from .. import reference
 from ._common import next_pow2, use_kernels
 
 LAYOUTS = ("bhsd", "bshd")
-# Elements of q a program moves per step (all heads of BLOCK_T tokens up to this size).
-TILE_ELEMENTS = 4096
+# Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim). On H100,
+# bf16 q [8, 32, 4096, 128] (benchmarks/results/rope-h100-2026-11-22*.json), forward x copy
+# for [B, H, S, D] / [B, S, H, D]: 4096 (all 32 heads a step) 0.87 / 0.90, 2048 0.93 / 0.95,
+# 1024 0.95 / 0.97; 8 warps slower than 4, 2 warps no faster.
+TILE_ELEMENTS = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +147,7 @@ def _config(n_tokens: int, hq: int, hk: int, d: int):
     block_hq = min(next_pow2(hq), max(1, TILE_ELEMENTS // row))
     block_hk = min(next_pow2(hk), block_hq)
     block_t = min(next_pow2(n_tokens), max(1, TILE_ELEMENTS // (block_hq * row)))
-    num_warps = 8 if block_t * block_hq * row >= 8192 else 4
+    num_warps = 4
     return block_t, block_hq, block_hk, num_warps
 
 
@@ -208,8 +211,10 @@ class _RopeFunction(torch.autograd.Function):
         # is dk when there is a k.
         cos, sin, position_ids = ctx.saved_tensors
         interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
-        dq, dk = _RopeFunction.apply(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin,
-                                     position_ids, interleaved, rotary_dim, not backward, q_dtype, k_dtype)
+        # Through the Function only when a graph of the backward is wanted (double backward).
+        fn = _RopeFunction.apply if torch.is_grad_enabled() else _rope
+        dq, dk = fn(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin,
+                    position_ids, interleaved, rotary_dim, not backward, q_dtype, k_dtype)
         return dq, dk, None, None, None, None, None, None, None, None
 
 
@@ -229,8 +234,8 @@ class _RopeInplaceFunction(torch.autograd.Function):
     def backward(ctx, dy):
         cos, sin, position_ids = ctx.saved_tensors
         interleaved, rotary_dim, dtype = ctx.options
-        dx, _ = _RopeFunction.apply(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True,
-                                    dtype, None)
+        fn = _RopeFunction.apply if torch.is_grad_enabled() else _rope
+        dx, _ = fn(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, None)
         return dx, None, None, None, None, None
 
 

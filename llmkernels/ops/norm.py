@@ -397,6 +397,11 @@ class _NormFunction(torch.autograd.Function):
         return dx, dw, db, dres, None, None, None, None, None, None, None, None
 
 
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 tensor standing for an absent output of a custom op (ops return tensors)."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
 @torch.library.custom_op("llmkernels::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                  residual: Optional[torch.Tensor], heads: int, eps: float, weight_offset: float, is_rms: bool,
@@ -404,16 +409,15 @@ def _norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional
                  h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
                                  out_dtype, h_dtype, True)
-    empty = x.new_empty(0, dtype=torch.float32)
-    return y, (empty if h is None else h), (empty if mean is None else mean), rstd
+    # Outputs may not alias each other: each absent one gets its own empty placeholder.
+    return y, (_placeholder(x) if h is None else h), (_placeholder(x) if mean is None else mean), rstd
 
 
 @_norm_fwd_op.register_fake
 def _(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
     m, n = x.shape
-    empty = x.new_empty(0, dtype=torch.float32)
-    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else empty
-    mean = empty if is_rms else x.new_empty(m, dtype=torch.float32)
+    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else _placeholder(x)
+    mean = _placeholder(x) if is_rms else x.new_empty(m, dtype=torch.float32)
     return x.new_empty((m, n), dtype=out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
 
 
@@ -425,18 +429,16 @@ def _norm_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor
     # Custom ops may not return outputs that alias each other: dresidual gets its own buffer.
     dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms,
                                  quantize, x_dtype, res_dtype)
-    empty = xin.new_empty(0, dtype=torch.float32)
-    dres = empty if dres is None else dres
-    return dx, dres, (empty if dw is None else dw), (empty if db is None else db)
+    return (dx, _placeholder(xin) if dres is None else dres, _placeholder(xin) if dw is None else dw,
+            _placeholder(xin) if db is None else db)
 
 
 @_norm_bwd_op.register_fake
 def _(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype, res_dtype):
     m, n = xin.shape
-    empty = xin.new_empty(0, dtype=torch.float32)
-    dres = empty if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype)
-    dw = empty if weight is None else weight.new_empty(weight.shape)
-    db = xin.new_empty(heads * n, dtype=torch.float32) if has_bias else empty
+    dres = _placeholder(xin) if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype)
+    dw = _placeholder(xin) if weight is None else weight.new_empty(weight.shape)
+    db = xin.new_empty(heads * n, dtype=torch.float32) if has_bias else _placeholder(xin)
     return xin.new_empty((m, n), dtype=x_dtype), dres, dw, db
 
 

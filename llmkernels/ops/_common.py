@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -33,7 +32,7 @@ def persistent_programs(device: torch.device, per_sm: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+    return 1 << max(0, n - 1).bit_length()
 
 
 def check_tensor(name: str, t, *, like: torch.Tensor | None = None, floating: bool = True) -> None:
@@ -52,6 +51,8 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     only when no such view exists (a transposed last dim, or leading dims that don't merge)."""
     if t.dim() == 0 or t.stride(-1) != 1:
         t = t.contiguous()
+    if t.dim() == 2:
+        return t
     try:
         return t.view(-1, n)
     except RuntimeError:

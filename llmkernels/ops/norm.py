@@ -520,6 +520,8 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
     if torch.compiler.is_compiling():
         y, h, _, _ = _norm_fwd_op(*args)
         h = h if residual is not None else None
+    elif not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))):
+        y, h, _, _ = _norm_fwd(*args, False)  # inference: no autograd node, no saved statistics
     else:
         # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
         share_dres = residual is not None and not (x.is_leaf or residual.is_leaf)

@@ -239,9 +239,9 @@ def _norm_bwd_kernel(
             tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
     part = prog.to(tl.int64) * HEADS * N + head * N + cols
     if HAS_W:
-        tl.store(DW_PART + part, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(DW_PART + part, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
     if HAS_B:
-        tl.store(DB_PART + part, tl.sum(db_acc, axis=0), mask=col_mask)
+        tl.store(DB_PART + part, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +335,9 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     rows_per_head = m // heads
     n_progs = max(1, min(triton.cdiv(rows_per_head, block_m),
                          triton.cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
-    dw_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if weight is not None else None
+    # One program (decode sizes) writes dW directly in the weight's dtype: no partial to reduce.
+    dw_dtype = weight.dtype if (weight is not None and n_progs == 1) else torch.float32
+    dw_part = torch.empty((n_progs, heads * n), dtype=dw_dtype, device=dev) if weight is not None else None
     db_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if has_bias else None
     if m > 0:
         dots = None
@@ -362,8 +364,10 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     elif dw_part is not None or db_part is not None:
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()
-    dw = None if weight is None else dw_part.sum(0).view(weight.shape).to(weight.dtype)
-    db = None if db_part is None else db_part.sum(0)
+    dw = None
+    if weight is not None:
+        dw = (dw_part[0] if n_progs == 1 else dw_part.sum(0)).view(weight.shape).to(weight.dtype)
+    db = None if db_part is None else (db_part[0] if n_progs == 1 else db_part.sum(0))
     return dx, dres, dw, db
 
 

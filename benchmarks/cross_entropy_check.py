@@ -103,21 +103,26 @@ def check_ce_big(x, t):
     return out
 
 
-# Launch configurations tried by --sweep: (name, chunk, warps, per_sm_fwd, per_sm_grad, one_block_max).
-SWEEP = [
-    ("c8k-w16-p0/4", 8192, 16, 0, 4, 8192),
-    ("c8k-w16-p4/2", 8192, 16, 4, 2, 8192),
-    ("c8k-w8-p0/3", 8192, 8, 0, 3, 8192),
-    ("c16k-w16-p2/1", 16384, 16, 2, 1, 8192),
-    ("c16k-w32-p1/1", 16384, 32, 1, 1, 8192),
-    ("c4k-w8-p0/6", 4096, 8, 0, 6, 8192),
-    ("one32k-w32", 8192, 16, 0, 1, 32768),
-]
+# Launch configurations tried by --sweep: name -> (CHUNK, CHUNK_WARPS, CHUNK_ROWS, PER_SM_FWD,
+# PER_SM_GRAD, FUSED_EVICT); the forward, the in-place fwd+bwd and the default fwd+bwd of each.
+SWEEP = {
+    "c8k-w16-r1-p0/4-LF": (8192, 16, 1, 0, 4, ("evict_last", "evict_first")),
+    "c8k-w16-r1-p0/3-LF": (8192, 16, 1, 0, 3, ("evict_last", "evict_first")),
+    "c8k-w16-r1-p0/0-LF": (8192, 16, 1, 0, 0, ("evict_last", "evict_first")),
+    "c8k-w16-r1-p0/3-NN": (8192, 16, 1, 0, 3, ("", "")),
+    "c8k-w16-r1-p0/3-NF": (8192, 16, 1, 0, 3, ("", "evict_first")),
+    "c8k-w16-r2-p0/2-LF": (8192, 16, 2, 0, 2, ("evict_last", "evict_first")),
+    "c4k-w8-r1-p0/6-NN": (4096, 8, 1, 0, 6, ("", "")),
+    "c4k-w8-r2-p0/3-LF": (4096, 8, 2, 0, 3, ("evict_last", "evict_first")),
+    "c4k-w8-r2-p0/0-NN": (4096, 8, 2, 0, 0, ("", "")),
+    "c2k-w4-r4-p0/0-NN": (2048, 4, 4, 0, 0, ("", "")),
+}
+KNOBS = ("CHUNK", "CHUNK_WARPS", "CHUNK_ROWS", "PER_SM_FWD", "PER_SM_GRAD", "FUSED_EVICT")
 
 
-def set_config(chunk, warps, per_sm_fwd, per_sm_grad, one_block_max):
-    ce_ops.CHUNK, ce_ops.CHUNK_WARPS = chunk, warps
-    ce_ops.PER_SM_FWD, ce_ops.PER_SM_GRAD, ce_ops.ONE_BLOCK_MAX = per_sm_fwd, per_sm_grad, one_block_max
+def set_config(values):
+    for knob, value in zip(KNOBS, values):
+        setattr(ce_ops, knob, value)
 
 
 def main():
@@ -139,7 +144,7 @@ def main():
         print(f"{kw['op']:22s} {kw['mode']:8s} {kw['provider']:26s} M={kw['M']:6d} V={kw['V']:6d} "
               f"{kw['ms']:8.3f} ms {gb}{mem}", flush=True)
 
-    defaults = (ce_ops.CHUNK, ce_ops.CHUNK_WARPS, ce_ops.PER_SM_FWD, ce_ops.PER_SM_GRAD, ce_ops.ONE_BLOCK_MAX)
+    defaults = tuple(getattr(ce_ops, knob) for knob in KNOBS)
     provs = ce_providers()
     for m, v in CE_SHAPES:
         torch.manual_seed(0)
@@ -165,13 +170,14 @@ def main():
                        gbps=nbytes[mode] / ms / 1e6)
                 del xi
             if args.sweep:
-                for cfg in SWEEP:
-                    set_config(*cfg[1:])
-                    name = "llmkernels_inplace" if mode == "fwd+bwd" else "llmkernels"
-                    ms = time_ce(provs[name], x.clone(), t, mode)
-                    record(op="cross_entropy", mode=mode, provider=f"{name}[{cfg[0]}]", M=m, V=v, ms=ms,
-                           gbps=nbytes[mode] / ms / 1e6)
-                set_config(*defaults)
+                for cfg, values in SWEEP.items():
+                    set_config(values)
+                    names = ["llmkernels"] if mode == "fwd" else ["llmkernels_inplace", "llmkernels"]
+                    for name in names:
+                        ms = time_ce(provs[name], x.clone(), t, mode)
+                        record(op="cross_entropy", mode=mode, provider=f"{name}[{cfg}]", M=m, V=v, ms=ms,
+                               gbps=nbytes[mode] / ms / 1e6)
+                set_config(defaults)
         del x
         torch.cuda.empty_cache()
 
@@ -179,6 +185,22 @@ def main():
         linear(record)
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
+    summary(records, copy)
+
+
+def summary(records, copy):
+    print("\nsummary (GB/s as a fraction of copy; fwd+bwd of llmkernels_inplace is the fused path)")
+    timed = [r for r in records if r.get("gbps") and "[" not in r["provider"]]
+    for m, v in CE_SHAPES:
+        for mode in ("fwd", "fwd+bwd"):
+            row = {r["provider"]: r["gbps"] / copy for r in timed if (r["M"], r["V"], r["mode"]) == (m, v, mode)}
+            print(f"  {m}x{v} {mode:8s} " + "  ".join(f"{k} {x:.2f}" for k, x in row.items()))
+    lin = {r["provider"]: r for r in records if r["op"] == "linear_cross_entropy"}
+    if "unfused" in lin:
+        base = lin["unfused"]
+        for name, r in lin.items():
+            print(f"  linear {name:24s} {r['ms']:8.1f} ms ({r['ms'] / base['ms']:.3f} x unfused)  peak "
+                  f"{r['peak_mem'] / 2**30:6.2f} GiB ({r['peak_mem'] / base['peak_mem']:.3f} x unfused)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,9 +39,11 @@ from ._common import check_tensor, next_pow2, persistent_programs, use_kernels
 # benchmarks/results/cross_entropy-h100-*.json).
 ONE_BLOCK_MAX = 8192  # rows up to this many classes are held in registers
 CHUNK = 8192          # V chunk of the online loop for wider rows
+CHUNK_ROWS = 1        # rows per program in the online loop
 CHUNK_WARPS = 16
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
 PER_SM_GRAD = 4       # ... of the passes that write a gradient (bounds the rows kept in L2)
+FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -86,7 +88,7 @@ def _ce_kernel(
     smoothing, z_coef, softcap,
     FORWARD: tl.constexpr, GRAD: tl.constexpr, HAS_G: tl.constexpr, MEAN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, STORE_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    PASS1_EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    PASS1_EVICT: tl.constexpr, PASS2_EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     """FORWARD: per-row loss (LOSS, ZLOSS), LSE, and ERR = 1 + a row whose target is out of
     range. GRAD: DX = d loss / d logits times the row's scale (G, 1 / COUNT for ``mean``);
@@ -183,7 +185,7 @@ def _ce_kernel(
                 for i in range(0, n_chunks):
                     cols = (n_chunks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
                     mask = row_mask[:, None] & (cols < V)[None, :]
-                    x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                    x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
                     z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
                     g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
@@ -213,7 +215,7 @@ def _scale_rows_kernel(DX, G, M, N, stride_dx, stride_g, BLOCK_R: tl.constexpr, 
 def _config(v: int, m: int):
     """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes."""
     if v > ONE_BLOCK_MAX:
-        return 1, CHUNK, CHUNK_WARPS, False
+        return CHUNK_ROWS, CHUNK, CHUNK_WARPS, False
     block_v = max(16, next_pow2(v))
     block_m = min(max(1, 4096 // block_v), next_pow2(max(m, 1)))
     num_warps = min(32, max(4, block_m * block_v // 512))
@@ -243,7 +245,8 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
         smoothing, z_coef, 1.0 if softcap is None else softcap,
         FORWARD=forward, GRAD=grad, HAS_G=g is not None, MEAN=count is not None,
         HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
-        HAS_SOFTCAP=softcap is not None, PASS1_EVICT="evict_last" if grad else "evict_first",
+        HAS_SOFTCAP=softcap is not None, PASS1_EVICT=FUSED_EVICT[0] if grad else "evict_first",
+        PASS2_EVICT=FUSED_EVICT[1] if forward else "evict_first",
         BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block, num_warps=num_warps,
     )
 

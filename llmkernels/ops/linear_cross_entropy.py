@@ -53,7 +53,10 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
     elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype: products rounded to a's dtype
+            acc += torch.mm(a, b).to(acc.dtype)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 

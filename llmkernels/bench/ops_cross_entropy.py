@@ -8,11 +8,11 @@ the per-row statistics, under 0.1% at these sizes, are not counted):
   bwd       logits read, gradient written:             2 M V e
   fwd+bwd   logits read once, gradient written once:   2 M V e
 
-The fwd+bwd bound is reached only by computing the gradient in the forward pass, which
-``llmkernels.cross_entropy(..., inplace_backward=True)`` and Liger do (both write it over the
-logits); the default llmkernels path re-reads the logits in the backward (3 M V e), so that the
-logits stay intact and the backward can run more than once, as this benchmark's bwd mode does.
-``benchmarks/cross_entropy_check.py`` times the in-place path (upstream gradient 1).
+The fwd+bwd bound needs the gradient formed in the forward pass from a single read of the
+logits; ``llmkernels.cross_entropy(..., inplace_backward=True)`` and Liger form it in the forward
+but re-read each row. The default llmkernels path re-reads the logits in the backward (3 M V e),
+so that the logits stay intact and the backward can run more than once, as this benchmark's bwd
+mode does. ``benchmarks/cross_entropy_check.py`` also times the in-place path.
 """
 from __future__ import annotations
 

@@ -16,11 +16,14 @@ One kernel does everything, chosen by constexpr switches:
   - the backward re-reads the logits with the saved ``lse`` and writes the gradient times the
     upstream gradient (forward + backward: logits read twice, gradient written once);
   - with ``inplace_backward`` the gradient is formed in the forward, in the same program right
-    after the row's statistics, and written over the logits: forward + backward then read the
-    logits once and write the gradient once. The row's second read goes in reverse chunk order,
-    so the chunks read last, still in L2, come first; rows of up to ``ONE_BLOCK_MAX`` classes
-    are held in registers and read exactly once. The backward only multiplies the gradient by
-    the upstream gradient in place, skipping rows where that is exactly 1 (``loss.backward()``).
+    after the row's statistics, and written over the logits, so training needs no second
+    ``[M, V]`` buffer. The row's second read goes in reverse chunk order so that the chunks read
+    last could come from L2; measured on H100 (benchmarks/results/cross_entropy-h100-*) they
+    mostly do not at V >= 32000 (too many rows in flight for the 50 MB L2), so this path is
+    ~10% slower than the separate backward: its value is memory. Rows of up to
+    ``ONE_BLOCK_MAX`` classes are held in registers and read exactly once. The backward only
+    multiplies the gradient by the upstream gradient in place, skipping rows where that is
+    exactly 1 (``loss.backward()``).
 Statistics are fp32 whatever the logits' dtype.
 """
 from __future__ import annotations
@@ -35,8 +38,9 @@ import triton.language as tl
 from .. import reference
 from ._common import check_tensor, next_pow2, persistent_programs, use_kernels
 
-# Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py,
-# benchmarks/results/cross_entropy-h100-*.json).
+# Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
+# benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
+# beyond the run-to-run noise of about 5%).
 ONE_BLOCK_MAX = 8192  # rows up to this many classes are held in registers
 CHUNK = 8192          # V chunk of the online loop for wider rows
 CHUNK_ROWS = 1        # rows per program in the online loop
@@ -457,12 +461,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             (already included in ``loss``; zeros when ``z_loss=0``), ``lse`` the fp32
             logsumexp of every row ``[M]`` (of the softcapped logits). Both carry no gradient.
         inplace_backward: when a gradient is needed, form it during the forward and write it
-            into ``logits``: forward + backward then read the logits once and write the
-            gradient once, and training needs no second ``[M, V]`` buffer. **The logits are
-            overwritten** (autograd raises if another op saved them for its backward), and
+            into ``logits``: training then needs no second ``[M, V]`` buffer. **The logits
+            are overwritten** (autograd raises if another op saved them for its backward), and
             the backward can run only once. The backward multiplies by the upstream gradient
             in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
-            under torch.compile.
+            under torch.compile. (Not faster than the default on H100; see the module notes.)
         check_targets: raise ValueError when a target is outside ``[0, V)`` and not
             ``ignore_index``. The check reads one flag the kernel sets, which waits for the
             kernel to finish (one device sync per call, a few microseconds; skipped during

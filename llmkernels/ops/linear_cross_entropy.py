@@ -113,10 +113,10 @@ def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
              loss_rows=loss_rows, z_rows=z_rows, err=err, ignore_index=ignore_index, smoothing=smoothing,
              z_coef=z_coef, softcap=softcap)
-    loss = reduce_rows(loss_rows, reduction, count, hidden.dtype)
+    loss = reduce_rows(loss_rows, reduction, count, torch.float32)
     z = None
     if want_z:
-        z = reduce_rows(z_rows, reduction, count, hidden.dtype) if z_rows is not None else torch.zeros_like(loss)
+        z = reduce_rows(z_rows, reduction, count, torch.float32) if z_rows is not None else torch.zeros_like(loss)
     if check:
         check_target_flag(err, target, v, ignore_index)
     gh, gw, gb = grads
@@ -196,7 +196,7 @@ def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 def _(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
       accum_dtype, need):
     m = hidden.shape[0]
-    loss = hidden.new_empty((m,) if reduction == "none" else ())
+    loss = hidden.new_empty((m,) if reduction == "none" else (), dtype=torch.float32)
     fused = reduction != "none"
     return (loss, loss.new_empty(loss.shape if want_z else 0), hidden.new_empty(m, dtype=torch.float32),
             hidden.new_empty(hidden.shape if fused and need[0] else 0),
@@ -272,7 +272,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             parameters' own dtype (half the memory, one rounding per chunk).
 
     Returns:
-        ``loss`` in hidden's dtype (0-d, or ``[M]`` for ``"none"``), or a
+        ``loss`` in float32 (0-d, or ``[M]`` for ``"none"``; as Hugging Face computes its LM
+        loss in float32: a bf16 loss near 12 would be rounded to steps of 0.06), or a
         :class:`llmkernels.CrossEntropyOutput`. Differentiable in hidden, weight and bias.
 
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and

@@ -26,6 +26,16 @@ TINY = ["--max-bytes", "120000", "--vocab-size", "300", "--seq-len", "32", "--ba
         "--tokens-per-param", "0.4", "--sizes", "1x16x2,1x32x2,2x32x2"]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models here are tiny: one CPU thread beats several, which spin against each other (and
+    against other processes on a 2-core CI machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_model_backends_agree_and_count_params(device):
     """Same init, fp32: the kernels backend (norms, RoPE, fused linear CE) gives the reference's
     loss and every parameter gradient."""

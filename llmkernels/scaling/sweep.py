@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import sys
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def auto_batch(tokens: float, seq_len: int, target_steps: int, lo: int, hi: int) -> int:
     """Power-of-two sequences per step giving about ``target_steps`` steps, within [lo, hi]."""
     want = max(1.0, tokens / (seq_len * target_steps))
-    b = 1 << max(0, round(torch.log2(torch.tensor(want)).item()))
+    b = 1 << max(0, round(math.log2(want)))
     return int(min(hi, max(lo, b)))
 
 
@@ -183,11 +184,15 @@ def finalize(results: list[dict], args, out: Path, corpus_meta: dict, device_nam
     fit_c = fit_power_law([r["compute"] for r in results], [r["val_loss"] for r in results])
     frontier = compute_frontier(results)
     bdir = out / args.backend
-    import triton
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     summary = {
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "llmkernels scaling " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
-        "backend": args.backend, "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+        "backend": args.backend, "device": device_name, "torch": torch.__version__, "triton": triton_version,
         "python": platform.python_version(), "world_size": args.world,
         "data": {k: v for k, v in corpus_meta.items() if k != "val_files"},
         "settings": {k: v for k, v in vars(args).items() if k not in ("argv", "world")},

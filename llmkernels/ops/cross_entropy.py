@@ -42,9 +42,10 @@ from ._common import check_tensor, next_pow2, persistent_programs, use_kernels
 # benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
 # beyond the run-to-run noise of about 5%).
 ONE_BLOCK_MAX = 8192  # rows up to this many classes are held in registers
-CHUNK = 8192          # V chunk of the online loop for wider rows
+CHUNK = 16384         # V chunk of the online loop for wider rows
 CHUNK_ROWS = 1        # rows per program in the online loop
-CHUNK_WARPS = 16
+CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/128256/262144 (was
+                      # 8192 x 16: 0.82/0.94/0.94); benchmarks/results/cross_entropy-forward-*.txt
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
 PER_SM_GRAD = 4       # ... of the passes that write a gradient (bounds the rows kept in L2)
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass

@@ -291,19 +291,25 @@ def unpatch_all() -> None:
     _ORIGINALS.clear()
 
 
-def _available(fn_name: str) -> bool:
-    import llmkernels
-    return hasattr(llmkernels, fn_name)
-
-
 def _modeling_module(family: _Family):
     return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
 
 
+def _patch_rope_and_loss_reason(family: _Family, report: PatchReport, rope: bool, cross_entropy: bool,
+                                not_causal_lm: Optional[str]) -> Optional[str]:
+    """Patch the family's RoPE (unless ``rope=False``); return why the causal-LM loss must not
+    be patched (``None``: patch it). ``not_causal_lm``: the caller's reason the model has no
+    supported loss, if any."""
+    if not rope:
+        report.not_patched["rope"] = "rope=False"
+    else:
+        _patch_rope(family, report)
+    if not cross_entropy:
+        return "cross_entropy=False"
+    return not_causal_lm
+
+
 def _patch_rope(family: _Family, report: PatchReport) -> None:
-    if not _available("apply_rope"):
-        report.not_patched["rope"] = "llmkernels.apply_rope is not available in this version"
-        return
     module = _modeling_module(family)
     if not hasattr(module, "apply_rotary_pos_emb"):
         report.not_patched["rope"] = f"{module.__name__} has no apply_rotary_pos_emb"
@@ -379,16 +385,12 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         report.not_patched["rope"] = report.not_patched["loss"] = why
         warnings.warn(str(report), stacklevel=2)
         return report
-    if not rope:
-        report.not_patched["rope"] = "rope=False"
-    else:
-        _patch_rope(family, report)
-    if not cross_entropy:
-        report.not_patched["loss"] = "cross_entropy=False"
-    elif family.causal_lm is None or type(model).__name__ != family.causal_lm:
-        report.not_patched["loss"] = f"{type(model).__name__} is not {family.causal_lm or 'a supported causal LM'}"
-    elif not _available("linear_cross_entropy"):
-        report.not_patched["loss"] = "llmkernels.linear_cross_entropy is not available in this version"
+    not_causal_lm = None
+    if family.causal_lm is None or type(model).__name__ != family.causal_lm:
+        not_causal_lm = f"{type(model).__name__} is not {family.causal_lm or 'a supported causal LM'}"
+    why = _patch_rope_and_loss_reason(family, report, rope, cross_entropy, not_causal_lm)
+    if why:
+        report.not_patched["loss"] = why
     else:
         if not _is_patched(model.forward):
             model.forward = types.MethodType(_causal_lm_forward(type(model).forward), model)
@@ -441,16 +443,10 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
             if not _is_patched(base.post_init):
                 _replace(base, "post_init", _patch_layer_norms_after_init(base.post_init))
             report.patched.append(f"torch.nn.LayerNorm in {base.__name__} models -> llmkernels.layer_norm")
-    if not rope:
-        report.not_patched["rope"] = "rope=False"
-    else:
-        _patch_rope(family, report)
-    if not cross_entropy:
-        report.not_patched["loss"] = "cross_entropy=False"
-    elif family.causal_lm is None:
-        report.not_patched["loss"] = f"no causal LM loss is patched for model type {model_type!r}"
-    elif not _available("linear_cross_entropy"):
-        report.not_patched["loss"] = "llmkernels.linear_cross_entropy is not available in this version"
+    not_causal_lm = None if family.causal_lm else f"no causal LM loss is patched for model type {model_type!r}"
+    why = _patch_rope_and_loss_reason(family, report, rope, cross_entropy, not_causal_lm)
+    if why:
+        report.not_patched["loss"] = why
     else:
         cls = getattr(module, family.causal_lm)
         if not _is_patched(cls.forward):

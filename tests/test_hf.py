@@ -3,7 +3,6 @@ tiny random model patched by ``llmkernels.patch`` gives the logits, loss, every 
 gradient and five AdamW steps of the unpatched model; plus the switches, the report and the
 class-level ``patch_model_type``. No hub downloads: models are built from ``*Config(...)``."""
 import copy
-import warnings
 
 import pytest
 import torch

@@ -288,26 +288,41 @@ def reduce_rows(rows: torch.Tensor, reduction: str, count: Optional[torch.Tensor
     return total.to(dtype)
 
 
+def row_buffers(m: int, target: torch.Tensor, ignore_index: int, reduction: str, want_z: bool, z_coef: float,
+                device: torch.device):
+    """What a forward writes per row: (lse [M] fp32, loss [M] fp32, z-loss [M] fp32 or None,
+    count of non-ignored rows (0-d int64, ``mean`` only) or None, error flag [1] int64)."""
+    rows = lambda: torch.empty(m, dtype=torch.float32, device=device)  # noqa: E731
+    return (rows(), rows(), rows() if want_z and z_coef > 0 else None,
+            (target != ignore_index).sum() if reduction == "mean" else None,
+            torch.zeros(1, dtype=torch.int64, device=device))
+
+
+def finish_loss(loss_rows, z_rows, count, err, target, *, v: int, ignore_index: int, reduction: str, want_z: bool,
+                check: bool, dtype: torch.dtype):
+    """Reduce the per-row losses to ``dtype`` (and the z-loss part when ``want_z``), then raise
+    for an out-of-range target when ``check``. Returns (loss, z-loss part or None)."""
+    loss = reduce_rows(loss_rows, reduction, count, dtype)
+    z = None
+    if want_z:
+        z = reduce_rows(z_rows, reduction, count, dtype) if z_rows is not None else torch.zeros_like(loss)
+    if check:
+        check_target_flag(err, target, v, ignore_index)
+    return loss, z
+
+
 def _ce_forward(logits, target, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
                 softcap: Optional[float], want_z: bool, check: bool, dx: Optional[torch.Tensor] = None):
     """Forward of ``cross_entropy``. With ``dx`` (``logits`` itself, or a ``[M, V]`` buffer),
     also writes the gradient of the reduced loss for an upstream gradient of 1.
     Returns (loss, z-loss part or None, lse [M] fp32, count (0-d int64, ``mean`` only) or None)."""
     m, v = logits.shape
-    dev = logits.device
-    lse = torch.empty(m, dtype=torch.float32, device=dev)
-    loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
-    z_rows = torch.empty(m, dtype=torch.float32, device=dev) if want_z and z_coef > 0 else None
-    count = (target != ignore_index).sum() if reduction == "mean" else None
-    err = torch.zeros(1, dtype=torch.int64, device=dev)
+    lse, loss_rows, z_rows, count, err = row_buffers(m, target, ignore_index, reduction, want_z, z_coef,
+                                                     logits.device)
     _launch(logits, target, lse, loss=loss_rows, z_rows=z_rows, dx=dx, count=count, err=err,
             ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
-    loss = reduce_rows(loss_rows, reduction, count, logits.dtype)
-    z = None
-    if want_z:
-        z = reduce_rows(z_rows, reduction, count, logits.dtype) if z_rows is not None else torch.zeros_like(loss)
-    if check:
-        check_target_flag(err, target, v, ignore_index)
+    loss, z = finish_loss(loss_rows, z_rows, count, err, target, v=v, ignore_index=ignore_index,
+                          reduction=reduction, want_z=want_z, check=check, dtype=logits.dtype)
     return loss, z, lse, count
 
 

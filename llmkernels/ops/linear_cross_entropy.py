@@ -28,8 +28,8 @@ import triton
 
 from .. import reference
 from ._common import check_tensor, use_kernels
-from .cross_entropy import (_launch, check_loss_options, check_target, check_target_flag, package_output,
-                            reduce_rows, scale_rows_)
+from .cross_entropy import (_launch, check_loss_options, check_target, finish_loss, package_output, row_buffers,
+                            scale_rows_)
 
 ROWS_PER_CHUNK = 2048
 
@@ -102,23 +102,15 @@ def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str
     than ``"none"``) for an upstream gradient of 1, in the parameters' dtypes."""
     m, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    lse = torch.empty(m, dtype=torch.float32, device=dev)
-    loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
-    z_rows = torch.empty(m, dtype=torch.float32, device=dev) if want_z and z_coef > 0 else None
-    count = (target != ignore_index).sum() if reduction == "mean" else None
-    err = torch.zeros(1, dtype=torch.int64, device=dev)
+    lse, loss_rows, z_rows, count, err = row_buffers(m, target, ignore_index, reduction, want_z, z_coef, dev)
     fused = reduction != "none" and any(need)
     grads = _grad_buffers(hidden, weight, bias, need, accum_dtype) if fused else (None, None, None)
     chunk = chunk_rows(m, v, hidden.element_size(), dev, chunk_size)
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
              loss_rows=loss_rows, z_rows=z_rows, err=err, ignore_index=ignore_index, smoothing=smoothing,
              z_coef=z_coef, softcap=softcap)
-    loss = reduce_rows(loss_rows, reduction, count, torch.float32)
-    z = None
-    if want_z:
-        z = reduce_rows(z_rows, reduction, count, torch.float32) if z_rows is not None else torch.zeros_like(loss)
-    if check:
-        check_target_flag(err, target, v, ignore_index)
+    loss, z = finish_loss(loss_rows, z_rows, count, err, target, v=v, ignore_index=ignore_index, reduction=reduction,
+                          want_z=want_z, check=check, dtype=torch.float32)
     gh, gw, gb = grads
     gw = None if gw is None else gw.to(weight.dtype)
     gb = None if gb is None else gb.to(bias.dtype)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import check_tensor, next_pow2, persistent_programs, use_kernels
+from ._common import cdiv, check_tensor, next_pow2, persistent_programs, use_kernels
 
 # Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
 # benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
@@ -238,7 +238,7 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
         return
     forward, grad = loss is not None, dx is not None
     block_m, block_v, num_warps, one_block = _config(v, m)
-    tiles = triton.cdiv(m, block_m)
+    tiles = cdiv(m, block_m)
     per_sm = PER_SM_GRAD if grad else PER_SM_FWD
     programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
     _ce_kernel[(programs,)](
@@ -263,7 +263,7 @@ def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
         return
     block_n = min(4096, max(16, next_pow2(n)))
     block_r = max(1, 4096 // block_n)
-    programs = min(triton.cdiv(r, block_r), persistent_programs(dx.device, 8))
+    programs = min(cdiv(r, block_r), persistent_programs(dx.device, 8))
     _scale_rows_kernel[(programs,)](dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0),
                                     BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
 

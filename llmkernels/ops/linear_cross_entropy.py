@@ -24,10 +24,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from .. import reference
-from ._common import check_tensor, use_kernels
+from ._common import cdiv, check_tensor, use_kernels
 from .cross_entropy import (_launch, check_loss_options, check_target, finish_loss, package_output, row_buffers,
                             scale_rows_)
 
@@ -44,7 +43,7 @@ def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_si
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         rows = max(1, min(rows, free // (4 * v * element_size)))
-    return triton.cdiv(m, triton.cdiv(m, rows))
+    return cdiv(m, cdiv(m, rows))
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

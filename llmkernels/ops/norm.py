@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import as_rows, check_tensor, next_pow2, persistent_programs, use_kernels
+from ._common import as_rows, cdiv, check_tensor, next_pow2, persistent_programs, use_kernels
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -304,7 +304,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     if m == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
-    n_tiles = triton.cdiv(m, block_m)
+    n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     _norm_fwd_kernel[grid](
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
@@ -335,10 +335,10 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms, xin.element_size())
-    n_chunks = 1 if one_pass else triton.cdiv(n, block_n)
+    n_chunks = 1 if one_pass else cdiv(n, block_n)
     rows_per_head = m // heads
-    n_progs = max(1, min(triton.cdiv(rows_per_head, block_m),
-                         triton.cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
+    n_progs = max(1, min(cdiv(rows_per_head, block_m),
+                         cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
     # One program (decode sizes) writes dW directly in the weight's dtype: no partial to reduce.
     dw_dtype = weight.dtype if (weight is not None and n_progs == 1) else torch.float32
     dw_part = torch.empty((n_progs, heads * n), dtype=dw_dtype, device=dev) if weight is not None else None
@@ -534,7 +534,8 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
         # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
         share_dres = residual is not None and not (x.is_leaf or residual.is_leaf)
         y, h = _NormFunction.apply(*args, share_dres)
-    y = y.view(shape)
+    if y.dim() != len(shape):
+        y = y.view(shape)
     if not prenorm:
         return y
     if h is None:

@@ -40,15 +40,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def check_tensor(name: str, t, *, like: torch.Tensor | None = None, floating: bool = True) -> None:
+def check_tensor(name: str, t, *, like: torch.Tensor | None = None, like_name: str = "x",
+                 floating: bool = True) -> None:
     """Raise TypeError/ValueError naming ``name`` when ``t`` is not a tensor, not floating point
-    (when ``floating``), or not on the device of ``like``."""
+    (when ``floating``), or not on the device of ``like`` (the op's main input, ``like_name``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if like is not None and t.device != like.device:
-        raise ValueError(f"{name} is on {t.device} but x is on {like.device}: move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}: move them to one device")
 
 
 def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:

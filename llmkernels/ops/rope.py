@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import cdiv, next_pow2, use_kernels
+from ._common import cdiv, check_tensor, next_pow2, use_kernels
 
 LAYOUTS = ("bhsd", "bshd")
 # Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim). On H100,
@@ -294,20 +294,9 @@ torch.library.register_autograd("llmkernels::rope", _rope_op_backward, setup_con
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def _check_float(name, t, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}: move them to one device")
-
-
 def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
     """Validate; return (rotary_dim, position_ids as [B, S] or None)."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    _check_float("q", q, q.device)
+    check_tensor("q", q)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if q.dim() != 4:
@@ -315,7 +304,7 @@ def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
     s_dim = 2 if layout == "bhsd" else 1
     bsz, seq, d = q.shape[0], q.shape[s_dim], q.shape[3]
     if k is not None:
-        _check_float("k", k, q.device)
+        check_tensor("k", k, like=q, like_name="q")
         if k.dim() != 4:
             raise ValueError(f"k must be 4-D [{', '.join(layout.upper())}], got shape {list(k.shape)}")
         if k.shape[3] != d:
@@ -323,8 +312,8 @@ def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
         if k.shape[0] != bsz or k.shape[s_dim] != seq:
             raise ValueError(f"k (shape {list(k.shape)}) must have q's batch size {bsz} and sequence length "
                              f"{seq} (layout {layout!r})")
-    _check_float("cos", cos, q.device)
-    _check_float("sin", sin, q.device)
+    check_tensor("cos", cos, like=q, like_name="q")
+    check_tensor("sin", sin, like=q, like_name="q")
     if cos.shape != sin.shape:
         raise ValueError(f"cos shape {list(cos.shape)} must equal sin shape {list(sin.shape)}")
     width = cos.shape[-1] if cos.dim() else 0

@@ -14,7 +14,7 @@ import time
 import torch
 import triton
 
-from llmkernels.scaling.model import GPT, ModelConfig, kernel_ops
+from llmkernels.scaling.model import GPT, ModelConfig, backend_ops
 
 SIZES = [(2, 48, 2, 16), (3, 128, 4, 64), (4, 224, 7, 256)]  # layers, width, heads, batch (default plan)
 VOCAB, SEQ = 8192, 256
@@ -34,7 +34,7 @@ def step_fn(model, opt):
 
 def main():
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} ops {kernel_ops()}")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} ops {backend_ops('kernels')}")
     rows = []
     for layers, width, heads, batch in SIZES:
         cfg = ModelConfig(vocab_size=VOCAB, n_layers=layers, width=width, n_heads=heads, seq_len=SEQ)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .data import Corpus
-from .model import GPT, ModelConfig, kernel_ops
+from .model import GPT, ModelConfig, backend_ops
 
 try:
     from tqdm.auto import tqdm
@@ -237,8 +237,7 @@ def train_size(mcfg: ModelConfig, tcfg: TrainConfig, corpus: Corpus, *, backend:
     s0, t_s0 = (anchor[0], anchor[1]) if anchor else (0, 0.0)
     steady = (steps - s0) * tokens_per_step / max(1e-9, history[-1][1] - t_s0)
     return {
-        "name": mcfg.name, "backend": backend, "ops": kernel_ops() if backend == "kernels" else
-        {k: "reference" for k in ("rms_norm", "rope", "linear_cross_entropy")},
+        "name": mcfg.name, "backend": backend, "ops": backend_ops(backend),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""), "model": mcfg.to_dict(), "train": asdict(tcfg),
         "params": n_params, "embedding_params": mcfg.embedding_params(), "steps": steps,

@@ -181,6 +181,21 @@ def test_per_head_weight(is_rms, device):
     check_norm(is_rms, x, w, b, casting="gemma")
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["one_pass", "blocked"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_per_head_weight_with_residual(is_rms, blocked, device, monkeypatch):
+    """Per-head weights with a fused residual (fp32 residual stream), on both kernel paths."""
+    if blocked:
+        monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 16)
+        monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 16)
+        monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 16, 4, False, 1))
+        monkeypatch.setattr(norm_ops, "BWD_BLOCKED", (2, 16, 4, False, 2))
+    x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
+    res = torch.randn(2, 5, 4, 32, device=device, dtype=torch.float32)
+    check_norm(is_rms, x, torch.randn(4, 32, device=device), torch.randn(4, 32, device=device), res, prenorm=True,
+               residual_in_fp32=True)
+
+
 def test_shared_head_weight(device):
     """Qwen3-style QK norm: weight [D] shared by every head of x [B, S, H, D]."""
     x = torch.randn(2, 7, 8, 64, device=device, dtype=torch.bfloat16)

@@ -383,14 +383,13 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype,
                 share_dres):
-        store_stats = any(ctx.needs_input_grad[:4])
+        # Reached only when an input needs a gradient (inference calls launch _norm_fwd directly).
         y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
-                                     out_dtype, h_dtype, store_stats)
-        if store_stats:
-            ctx.save_for_backward(x if h is None else h, weight, mean, rstd)
-            ctx.options = (None if bias is None else (bias.shape, bias.dtype),
-                           None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize,
-                           x.dtype, share_dres)
+                                     out_dtype, h_dtype, True)
+        ctx.save_for_backward(x if h is None else h, weight, mean, rstd)
+        ctx.options = (None if bias is None else (bias.shape, bias.dtype),
+                       None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize,
+                       x.dtype, share_dres)
         return y, h
 
     @staticmethod

@@ -331,12 +331,9 @@ def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
             raise ValueError(f"cos/sin must be [S, {width}], [1, S, {width}] or [B, S, {width}] with B={bsz}, "
                              f"S={seq}; got {list(cos.shape)} (pass position_ids to gather from a table)")
         return rotary_dim, None
-    if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    check_tensor("position_ids", position_ids, like=q, like_name="q", floating=False)
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise TypeError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
-    if position_ids.device != q.device:
-        raise ValueError(f"position_ids is on {position_ids.device} but q is on {q.device}")
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):

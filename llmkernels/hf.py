@@ -47,8 +47,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .ops.linear_cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .ops.norm import layer_norm as _layer_norm
 from .ops.norm import rms_norm as _rms_norm
+from .ops.rope import apply_rope as _apply_rope
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +194,6 @@ def _rope_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        import llmkernels
         unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
         if unsqueeze_pos is not None and len(args) > unsqueeze_pos:
             unsqueeze_dim = args[unsqueeze_pos]
@@ -201,7 +202,7 @@ def _rope_forward(original: Callable) -> Callable:
                 or not (q.dtype == k.dtype == cos.dtype == sin.dtype) or cos.shape[-1] > q.shape[-1]
                 or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
             return original(q, k, cos, sin, *args, **kwargs)
-        return llmkernels.apply_rope(q, k, cos, sin, layout=layout)
+        return _apply_rope(q, k, cos, sin, layout=layout)
 
     apply_rotary_pos_emb._llmkernels_original = original
     return _mark(apply_rotary_pos_emb)
@@ -210,7 +211,6 @@ def _rope_forward(original: Callable) -> Callable:
 def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` (shift, ignore_index, num_items_in_batch) of
     ``lm_head(hidden)``, computed by ``linear_cross_entropy`` without the logits."""
-    import llmkernels
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:
@@ -219,7 +219,7 @@ def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: di
     head = self.get_output_embeddings()
     num_items = kwargs.get("num_items_in_batch")
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    loss = llmkernels.linear_cross_entropy(
+    loss = _linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
         bias=head.bias, ignore_index=ignore_index, softcap=softcap,
         reduction="mean" if num_items is None else "sum")

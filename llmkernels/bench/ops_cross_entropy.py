@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, Unavailable, need_module, register
+from .registry import Op, Provider, compile_static, liger_function, register
 
 DEFAULT_SIZES = (32000, 128256, 262144)
 QUICK_SIZES = (32000, 128256)
@@ -51,19 +51,8 @@ def _torch_ce(logits, target):
     return F.cross_entropy(logits, target)
 
 
-def _compiled_factory():
-    torch._dynamo.reset()
-    import torch._functorch.config as functorch_config
-    if hasattr(functorch_config, "donated_buffer"):
-        functorch_config.donated_buffer = False  # the bwd mode repeats the backward of one graph
-    return torch.compile(_torch_ce, dynamic=False, fullgraph=True)
-
-
 def _liger_factory():
-    ops = need_module("liger_kernel.ops.cross_entropy", "liger-kernel")
-    if not hasattr(ops, "LigerCrossEntropyFunction"):
-        raise Unavailable("this liger-kernel has no LigerCrossEntropyFunction")
-    apply = ops.LigerCrossEntropyFunction.apply
+    apply = liger_function("cross_entropy", "LigerCrossEntropyFunction")
     # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
     #  return_z_loss, return_token_accuracy, return_predicted_tokens) -> (loss, ...)
     return lambda logits, target: apply(logits, target, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
@@ -78,7 +67,7 @@ register(Op(
     providers={
         "llmkernels": Provider(lambda: llmkernels.cross_entropy),
         "torch": Provider(lambda: _torch_ce),
-        "torch_compile": Provider(_compiled_factory),
+        "torch_compile": Provider(lambda: compile_static(_torch_ce)),
         "liger": Provider(_liger_factory, gpu_only=True),
     },
 ))

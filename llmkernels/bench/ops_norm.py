@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, Unavailable, need_module, register
+from .registry import Op, Provider, Unavailable, compile_static, liger_function, need_module, register
 
 RMS_EPS = 1e-6
 LN_EPS = 1e-5
@@ -52,28 +52,6 @@ def _bytes(fwd: tuple, bwd: tuple):
         per_mode = {p: (big * m * n + vec * n) * dtype.itemsize for p, (big, vec) in (("fwd", fwd), ("bwd", bwd))}
         return per_mode["fwd"] + per_mode["bwd"] if mode == "fwd+bwd" else per_mode[mode]
     return count
-
-
-def _compiled(fn):
-    """Provider factory: ``torch.compile(fn)`` with static shapes. The dynamo cache is reset for
-    each case, so the recompile limit never silently sends a size back to eager."""
-    def factory():
-        torch._dynamo.reset()
-        # Donated buffers forbid the repeated backward of one graph (retain_graph) that bwd times.
-        import torch._functorch.config as functorch_config
-        if hasattr(functorch_config, "donated_buffer"):
-            functorch_config.donated_buffer = False
-        return torch.compile(fn, dynamic=False, fullgraph=True)
-    return factory
-
-
-def _liger(module, name):
-    def factory():
-        ops = need_module(f"liger_kernel.ops.{module}", "liger-kernel")
-        if not hasattr(ops, name):
-            raise Unavailable(f"this liger-kernel has no {name}")
-        return getattr(ops, name).apply
-    return factory
 
 
 def _quack():
@@ -111,7 +89,7 @@ def _torch_rms_factory():
 
 
 def _liger_rms_factory():
-    apply = _liger("rms_norm", "LigerRMSNormFunction")()
+    apply = liger_function("rms_norm", "LigerRMSNormFunction")
     # in_place=False: keep dy intact across the repeated timed backward calls (same bytes moved).
     return lambda x, weight: apply(x, weight, RMS_EPS, 0.0, "llama", False)
 
@@ -131,7 +109,7 @@ register(Op(
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS)),
         "torch": Provider(_torch_rms_factory),
         "hf_eager": Provider(lambda: _rms_hf),
-        "torch_compile": Provider(_compiled(_rms_ref)),
+        "torch_compile": Provider(lambda: compile_static(_rms_ref)),
         "liger": Provider(_liger_rms_factory, gpu_only=True),
         "quack": Provider(_quack_rms_factory, gpu_only=True),
     },
@@ -154,7 +132,7 @@ def _ln_eager(x, weight, bias):
 
 
 def _liger_ln_factory():
-    apply = _liger("layer_norm", "LigerLayerNormFunction")()
+    apply = liger_function("layer_norm", "LigerLayerNormFunction")
     return lambda x, weight, bias: apply(x, weight, bias, LN_EPS)
 
 
@@ -169,7 +147,7 @@ register(Op(
         "llmkernels": Provider(lambda: functools.partial(llmkernels.layer_norm, eps=LN_EPS)),
         "torch": Provider(lambda: lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, LN_EPS)),
         "hf_eager": Provider(lambda: _ln_eager),
-        "torch_compile": Provider(_compiled(_ln_eager)),
+        "torch_compile": Provider(lambda: compile_static(_ln_eager)),
         "liger": Provider(_liger_ln_factory, gpu_only=True),
     },
 ))
@@ -204,7 +182,7 @@ def _torch_add_rms_factory():
 
 
 def _liger_add_rms_factory():
-    apply = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")()
+    apply = liger_function("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
     return lambda x, residual, weight: apply(x, residual, weight, RMS_EPS, 0.0, "llama", False)
 
 
@@ -224,7 +202,7 @@ register(Op(
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS, prenorm=True)),
         "torch": Provider(_torch_add_rms_factory),
         "hf_eager": Provider(lambda: _add_rms_hf),
-        "torch_compile": Provider(_compiled(_add_rms_ref)),
+        "torch_compile": Provider(lambda: compile_static(_add_rms_ref)),
         "liger": Provider(_liger_add_rms_factory, gpu_only=True),
         "quack": Provider(_quack_add_rms_factory, gpu_only=True),
     },

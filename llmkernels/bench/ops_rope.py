@@ -18,7 +18,7 @@ import torch
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, need_module, register
+from .registry import Op, Provider, compile_static, need_module, register
 
 HQ, HK, D = 32, 8, 128
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
@@ -62,13 +62,6 @@ def _hf(layout):
     return lambda q, k, cos, sin: fn(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
-def _compiled(layout):
-    def factory():
-        torch._dynamo.reset()
-        return torch.compile(_hf(layout), dynamic=False, fullgraph=True)
-    return factory
-
-
 def _liger():
     return need_module("liger_kernel.transformers.rope", "liger-kernel").liger_rotary_pos_emb
 
@@ -77,7 +70,7 @@ for _name, _layout in (("rope", "bhsd"), ("rope_bshd", "bshd")):
     _providers = {
         "llmkernels": Provider(lambda layout=_layout: functools.partial(llmkernels.apply_rope, layout=layout)),
         "hf_eager": Provider(lambda layout=_layout: _hf(layout)),
-        "torch_compile": Provider(_compiled(_layout)),
+        "torch_compile": Provider(lambda layout=_layout: compile_static(_hf(layout))),
     }
     if _layout == "bhsd":
         _providers["liger"] = Provider(_liger, gpu_only=True)

@@ -30,6 +30,27 @@ def need_module(module: str, package: str):
         raise Unavailable(f"{package} is not installed ({exc})") from None
 
 
+def liger_function(module: str, name: str):
+    """``liger_kernel.ops.<module>.<name>.apply``, or :class:`Unavailable` when liger-kernel or
+    that function is missing."""
+    ops = need_module(f"liger_kernel.ops.{module}", "liger-kernel")
+    if not hasattr(ops, name):
+        raise Unavailable(f"this liger-kernel has no {name}")
+    return getattr(ops, name).apply
+
+
+def compile_static(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` for a benchmark case: static shapes, no graph break, the dynamo
+    cache reset first (so the recompile limit never silently sends a size back to eager), and
+    donated buffers off (they forbid the repeated backward of one retained graph that the bwd
+    mode times)."""
+    torch._dynamo.reset()
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 @dataclass(frozen=True)
 class Provider:
     """One implementation of an op.

@@ -13,7 +13,8 @@ from llmkernels import reference
 from llmkernels.ops import cross_entropy as ce_ops
 from llmkernels.ops import linear_cross_entropy as lce_ops
 from tests.conftest import DEVICE
-from tests.helpers import assert_close, poison_empty
+from llmkernels.bench.runner import poisoned
+from tests.helpers import assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The interpreter evaluates masked-out lanes too (log(0) of padding rows): numpy warns.
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    poison_empty(monkeypatch)
+def _poison():
+    with poisoned():
+        yield
 
 
 def make_case(m, v, dtype, device, *, ignored=(1,), scale=3.0):

@@ -13,14 +13,16 @@ import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import norm as norm_ops
 from tests.conftest import INTERPRETED
-from tests.helpers import REL_TOL, assert_close, poison_empty
+from llmkernels.bench.runner import poisoned
+from tests.helpers import REL_TOL, assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    poison_empty(monkeypatch)
+def _poison():
+    with poisoned():
+        yield
 
 
 def _tol_dtype(*dtypes):

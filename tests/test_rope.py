@@ -7,7 +7,8 @@ import llmkernels
 from llmkernels import reference
 
 from tests.conftest import DEVICE, INTERPRETED
-from tests.helpers import assert_close, poison_empty, rel_err
+from llmkernels.bench.runner import poisoned
+from tests.helpers import assert_close, rel_err
 
 F64 = torch.float64
 
@@ -61,15 +62,15 @@ def check(q, k, cos, sin, *, scale=1.0, check_grads=True, **kw):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotary_dim", [None, 24])
-def test_forward_backward(monkeypatch, layout, interleaved, dtype, rotary_dim):
+def test_forward_backward(layout, interleaved, dtype, rotary_dim):
     """GQA (Hq=6, Hk=2), fp32 cos/sin [1, S, W] with q/k of every dtype, outputs poisoned."""
     b, hq, hk, s, d = 2, 6, 2, 9, 40
     qs, ks = qk_shapes(layout, b, hq, hk, s, d)
     q = torch.randn(qs, device=DEVICE, dtype=dtype)
     k = torch.randn(ks, device=DEVICE, dtype=dtype)
     cos, sin = rope_tables(s, rotary_dim or d, interleaved=interleaved)
-    poison_empty(monkeypatch)
-    q_out, _ = check(q, k, cos[None], sin[None], layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+    with poisoned():
+        q_out, _ = check(q, k, cos[None], sin[None], layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
     if rotary_dim:  # the features past rotary_dim are copied bit for bit
         assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])
 

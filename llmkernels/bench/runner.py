@@ -109,12 +109,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def poisoned():
-    """``torch.empty``/``empty_like`` return NaN-filled tensors meanwhile, so an output that a
-    provider leaves unwritten shows as NaN instead of passing on stale memory."""
+    """``torch.empty``/``empty_like`` return NaN-filled (integer: max-value) tensors meanwhile, so
+    an output that a provider leaves unwritten shows up instead of passing on stale memory. The
+    tests use it too."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
 
     torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
     torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))

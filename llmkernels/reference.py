@@ -117,7 +117,10 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, layout="bhsd", interleaved=
             return None
         xc = x.to(compute_dtype)
         xr = xc[..., :rotary_dim]
-        return torch.cat((xr * cos + rot(xr) * sin, xc[..., rotary_dim:]), dim=-1).to(x.dtype)
+        out = xr * cos + rot(xr) * sin
+        if rotary_dim < x.shape[-1]:  # partial rotary: the other features pass through
+            out = torch.cat((out, xc[..., rotary_dim:]), dim=-1)
+        return out.to(x.dtype)
 
     return one(q), one(k)
 

@@ -51,16 +51,17 @@ class RMSNorm(nn.Module):
 class FusedAddRMSNorm(RMSNorm):
     """``forward(x, residual) -> (y, h)`` with ``h = x + residual`` and ``y = RMSNorm(h)``: the
     pre-norm transformer block's add + norm in one kernel. ``residual=None`` normalizes x and
-    returns it as h."""
+    returns it as h. ``out_dtype`` picks y's dtype (e.g. the dtype the next matmul takes)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, residual_in_fp32: bool = False, **kwargs):
         super().__init__(hidden_size, eps, **kwargs)
         self.residual_in_fp32 = residual_in_fp32
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None):
         return rms_norm(hidden_states, self.weight, eps=self.variance_epsilon, residual=residual, prenorm=True,
                         residual_in_fp32=self.residual_in_fp32, casting=self.casting,
-                        weight_offset=self.weight_offset)
+                        weight_offset=self.weight_offset, out_dtype=out_dtype)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -22,6 +22,8 @@ from torch import nn
 
 from .. import reference
 from ..modules import FusedAddRMSNorm
+from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.rope import apply_rope
 
 BACKENDS = ("kernels", "reference")
 
@@ -88,14 +90,6 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None):
     return angles.cos(), angles.sin()
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for ``x [B, T, H, D]``, ``cos, sin [T, D]``, in float32,
-    cast back to x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]).to(x.dtype)
-
-
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                    reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of ``logits = h @ weight.T``: the full ``[tokens, vocab]`` logits in h's dtype,
@@ -116,15 +110,6 @@ class ReferenceAddRMSNorm(nn.Module):
                                   out_dtype=out_dtype)
 
 
-class KernelAddRMSNorm(FusedAddRMSNorm):
-    """``llmkernels.FusedAddRMSNorm`` that writes ``y`` in the dtype the next matrix product uses."""
-
-    def forward(self, x, residual=None, out_dtype=None):
-        from ..ops.norm import rms_norm
-        return rms_norm(x, self.weight, eps=self.variance_epsilon, residual=residual, prenorm=True,
-                        out_dtype=out_dtype)
-
-
 def backend_ops(backend: str) -> dict:
     """Which implementation each of the model's fused ops uses under ``backend`` (recorded with
     every result)."""
@@ -132,24 +117,18 @@ def backend_ops(backend: str) -> dict:
 
 
 def _rope_fn(backend: str):
-    if backend == "kernels":
-        import llmkernels
-
-        def rope(q, k, cos, sin):
-            return llmkernels.apply_rope(q, k, cos, sin, layout="bshd")
-        return rope
+    """``rope(q, k, cos, sin)`` for q/k ``[B, T, H, D]`` and ``cos, sin [T, D]``."""
+    apply = apply_rope if backend == "kernels" else reference.apply_rope
 
     def rope(q, k, cos, sin):
-        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+        return apply(q, k, cos, sin, layout="bshd")
     return rope
 
 
 def _loss_fn(backend: str):
     if backend == "kernels":
-        import llmkernels
-
         def loss(h, w, t, reduction="mean"):  # targets come from the tokenizer: no range check (no sync)
-            return llmkernels.linear_cross_entropy(h, w, t, reduction=reduction, check_targets=False)
+            return linear_cross_entropy(h, w, t, reduction=reduction, check_targets=False)
         return loss
     return linear_cross_entropy_reference
 
@@ -196,7 +175,7 @@ class GPT(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.cfg, self.backend, self.compute_dtype = cfg, backend, compute_dtype
-        norm_cls = KernelAddRMSNorm if backend == "kernels" else ReferenceAddRMSNorm
+        norm_cls = FusedAddRMSNorm if backend == "kernels" else ReferenceAddRMSNorm
         self.wte = nn.Embedding(cfg.vocab_size, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg, norm_cls) for _ in range(cfg.n_layers))
         self.norm = norm_cls(cfg.width, cfg.eps)
@@ -236,7 +215,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Next-token loss: the mean (``reduction="mean"``), or ``[B * T]`` per-token losses
-        (``"none"``). The kernels backend returns it in ``compute_dtype``, the reference in float32."""
+        (``"none"``), in float32 on both backends."""
         h = self.hidden(idx)
         w = self.wte.weight.to(self.compute_dtype)
         return self._loss(h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), reduction=reduction)

@@ -13,12 +13,10 @@ import torch
 from triton.testing import do_bench
 
 import llmkernels
+from llmkernels.bench.runner import copy_bandwidth
 from llmkernels.ops import cross_entropy as ce
 
-a = torch.empty(2**28, dtype=torch.bfloat16, device="cuda").normal_()
-b = torch.empty_like(a)
-copy = 4 * a.numel() / do_bench(lambda: b.copy_(a), return_mode="median") / 1e6
-del a, b
+copy = copy_bandwidth(torch.device("cuda"))
 print(f"copy {copy:.0f} GB/s", flush=True)
 for m, v in [(8192, 32000), (8192, 128256), (4096, 262144)]:
     logits = torch.randn(m, v, device="cuda", dtype=torch.bfloat16)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import llmkernels
+from llmkernels.bench.runner import copy_bandwidth
 from llmkernels.ops import cross_entropy as ce_ops
 
 CE_SHAPES = [(8192, 32000), (8192, 128256), (4096, 262144)]
@@ -40,13 +41,6 @@ DTYPE = torch.bfloat16
 
 def median_ms(fn, rep=200):
     return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def copy_gbps():
-    x = torch.randn(2**29 // 2, device="cuda", dtype=DTYPE)  # 512 MiB
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x))
-    return 2 * x.numel() * x.element_size() / ms / 1e6
 
 
 def rel(a, b):
@@ -132,7 +126,7 @@ def main():
     parser.add_argument("--skip-linear", action="store_true")
     args = parser.parse_args()
     dev = torch.cuda.get_device_name()
-    copy = copy_gbps()
+    copy = copy_bandwidth(torch.device("cuda"))
     print(f"{dev}: copy {copy:.0f} GB/s, torch {torch.__version__}", flush=True)
     records = []
 

@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels import reference
+from llmkernels.bench.runner import copy_bandwidth
 from llmkernels.ops import rope as rope_ops
 
 B, HQ, HK, S, D = 8, 32, 8, 4096, 128
@@ -34,12 +35,6 @@ CONFIGS = [(1, 32, 8, 4), (1, 16, 8, 4), (1, 8, 8, 4), (2, 8, 8, 4), (1, 8, 8, 2
 
 def bench(fn):
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def copy_gbps():
-    src = torch.randn(2**27, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
 
 
 def providers(layout):
@@ -77,7 +72,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    copy = copy_gbps()
+    copy = copy_bandwidth(torch.device("cuda"))
     print(f"device {dev}, copy {copy:.0f} GB/s, torch {torch.__version__}, triton {triton.__version__}")
     records = []
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D)

@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from llmkernels.bench.runner import copy_bandwidth
 from llmkernels.ops import norm as N_
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -26,12 +27,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def bench_ms(fn):
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def copy_gbps(numel=2**28):
-    a = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 2 / bench_ms(lambda: b.copy_(a)) / 1e6
 
 
 def fwd_candidates(n):
@@ -105,7 +100,7 @@ def main():
     ap.add_argument("--op", choices=["rms", "ln"], default="rms")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    ceiling = copy_gbps()
+    ceiling = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}  copy {ceiling:.0f} GB/s", flush=True)
     records = []
     ns = [int(v) for v in args.ns.split(",")]

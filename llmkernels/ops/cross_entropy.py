@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import cdiv, check_tensor, next_pow2, persistent_programs, use_kernels
+from ._common import cdiv, check_tensor, launch, next_pow2, persistent_programs, use_kernels
 
 # Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
 # benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
@@ -241,7 +241,7 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
     tiles = cdiv(m, block_m)
     per_sm = PER_SM_GRAD if grad else PER_SM_FWD
     programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
-    _ce_kernel[(programs,)](
+    launch(_ce_kernel, (programs,),
         logits, target, lse if loss is None else loss, lse if z_rows is None else z_rows, lse,
         logits if dx is None else dx, lse if g is None else g, lse if count is None else count,
         target if err is None else err,
@@ -264,8 +264,8 @@ def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
     block_n = min(4096, max(16, next_pow2(n)))
     block_r = max(1, 4096 // block_n)
     programs = min(cdiv(r, block_r), persistent_programs(dx.device, 8))
-    _scale_rows_kernel[(programs,)](dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0),
-                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
+    launch(_scale_rows_kernel, (programs,), dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0),
+           BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
 
 
 def check_target_flag(err: torch.Tensor, target: torch.Tensor, v: int, ignore_index: int) -> None:

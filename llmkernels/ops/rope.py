@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import cdiv, check_tensor, next_pow2, use_kernels
+from ._common import cdiv, check_tensor, launch, next_pow2, use_kernels
 
 LAYOUTS = ("bhsd", "bshd")
 # Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim). On H100,
@@ -171,7 +171,7 @@ def _rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: in
         c_strides, p_strides, max_pos = (0, cos.stride(0)), (position_ids.stride(0), position_ids.stride(1)), cos.shape[0]
     else:
         c_strides, p_strides, max_pos = (cos.stride(0), cos.stride(1)), (0, 0), 0
-    _rope_kernel[(cdiv(n_tokens, block_t),)](
+    launch(_rope_kernel, (cdiv(n_tokens, block_t),),
         q, q if k is None else k, q_out, q_out if k is None else k_out, cos, sin,
         position_ids if has_pos else cos,
         n_tokens, seq, hq, hk, rotary_dim, d, max_pos,

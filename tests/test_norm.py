@@ -148,10 +148,15 @@ def test_residual_grads_do_not_alias(device):
     assert not torch.equal(x.grad, r.grad), "x.grad and residual.grad share storage"
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_blocked_wide_rows(is_rms, dtype, device):
-    """Rows wider than the one-pass limits take the blocked loops (forward and backward)."""
+def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
+    """Rows wider than the one-pass limits: the blocked forward, and the backward split across
+    programs (on a GPU; the interpreter cannot run programs that wait for each other) or blocked."""
+    if split and INTERPRETED:
+        pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
+    monkeypatch.setattr(norm_ops, "ROW_SPLIT", split)
     n = 70001
     assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
@@ -161,9 +166,29 @@ def test_blocked_wide_rows(is_rms, dtype, device):
     check_norm(is_rms, x, w, b, res, prenorm=True)
 
 
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_split_path_forced(is_rms, dtype, parts, device, monkeypatch):
+    """The split backward at a small width (limit lowered): one part per row (also under the
+    interpreter) or four, the last one partly masked; more rows than groups in flight."""
+    if parts > 1 and INTERPRETED:
+        pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
+    n = 100
+    monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_ops, "BWD_SPLIT", (128 // parts, 4, 1))
+    assert norm_ops._split_grid(n, 300, 1, norm_ops.BWD_SPLIT, torch.device(device))[0] == parts
+    x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
+    res = torch.randn(3, 100, n, device=device, dtype=dtype)
+    check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),
+               res, prenorm=True)
+    check_norm(is_rms, x[:1, :3], torch.randn(n, device=device, dtype=dtype), casting="gemma")
+
+
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_blocked_path_forced(is_rms, device, monkeypatch):
     """The blocked kernels at a small width (limits lowered), with several rows per head."""
+    monkeypatch.setattr(norm_ops, "ROW_SPLIT", False)
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False, 1))
@@ -187,7 +212,7 @@ def test_per_head_weight(is_rms, device):
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_per_head_weight_with_residual(is_rms, blocked, device, monkeypatch):
     """Per-head weights with a fused residual (fp32 residual stream), on both kernel paths."""
-    if blocked:
+    if blocked:  # per-head weights never take the row split
         monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 16)
         monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 16)
         monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 16, 4, False, 1))
@@ -353,3 +378,15 @@ def test_cpu_without_interpreter_uses_reference():
     env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_cached_launch_follows_alignment(device):
+    """The cached launch (ops._common.launch) keys compiled kernels on pointer alignment and
+    stride divisibility: an aligned call, then one on rows at an odd element offset and stride,
+    then the aligned one again, each against the reference."""
+    n = 256
+    base = torch.randn(9, n + 1, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    for x in (base[:, :n].contiguous(), base[:, 1:], base[:, :n].contiguous()):
+        ref = reference.rms_norm(x, w, compute_dtype=torch.float64)
+        assert_close(lk.rms_norm(x, w), ref, _tol_dtype(torch.bfloat16, None, torch.bfloat16), "y")

@@ -187,6 +187,23 @@ def _norm_bwd_dots_kernel(
 
 
 @triton.jit
+def _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+              QUANTIZE: tl.constexpr):
+    """Backward per tile: returns ``w * dy`` (for the row dot products and dx) and the dW / dB
+    accumulators plus this tile's ``dy * q(x_hat)`` / ``dy`` (q: Llama's rounding)."""
+    wdy = dy
+    if HAS_W:
+        wdy = dy * w
+        if QUANTIZE:
+            dw_acc += dy * x_hat.to(in_ty).to(tl.float32)
+        else:
+            dw_acc += dy * x_hat
+    if HAS_B:
+        db_acc += dy
+    return wdy, dw_acc, db_acc
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, DOTS,
     rows_per_head, N, HEADS,
@@ -208,6 +225,7 @@ def _norm_bwd_kernel(
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     in_ty = X.dtype.element_ty
+    w = 0.0  # unused without a weight
     if HAS_W:
         w = tl.load(W + head * N + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -225,16 +243,7 @@ def _norm_bwd_kernel(
         else:
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if HAS_W:
-            wdy = dy * w[None, :]
-            if QUANTIZE:
-                dw_acc += dy * x_hat.to(in_ty).to(tl.float32)
-            else:
-                dw_acc += dy * x_hat
-        else:
-            wdy = dy
-        if HAS_B:
-            db_acc += dy
+        wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
@@ -281,6 +290,7 @@ def _norm_bwd_split_kernel(
     in_ty = X.dtype.element_ty
     parts = tl.arange(0, PARTS_POW2)
     part_mask = parts < PARTS
+    w = 0.0  # unused without a weight
     if HAS_W:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -300,16 +310,7 @@ def _norm_bwd_split_kernel(
             x_hat = x * rstd
         else:
             x_hat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
-        if HAS_W:
-            wdy = dy * w
-            if QUANTIZE:
-                dw_acc += dy * x_hat.to(in_ty).to(tl.float32)
-            else:
-                dw_acc += dy * x_hat
-        else:
-            wdy = dy
-        if HAS_B:
-            db_acc += dy
+        wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
         dot = DOTS + (row64 * PARTS + part) * 2
         tl.store(dot, tl.sum(x_hat * wdy, axis=0))
         if not IS_RMS:

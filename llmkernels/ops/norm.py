@@ -369,13 +369,14 @@ _BWD_TABLE = {
 }
 
 
-def _bwd_config(n: int, m: int, is_rms: bool = True, elem_size: int = 2):
+def _bwd_config(n: int, m: int, is_rms: bool = True):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the backward.
 
-    LayerNorm keeps a dB accumulator beside dW; with fp32 inputs a 16384-wide row then spills
-    registers (14% of copy on H100), so fp32 LayerNorm rows over 8192 take the blocked path.
+    LayerNorm keeps a dB accumulator beside dW; a 16384-wide row then spills registers (fp32:
+    14% of copy on H100, bf16: 51%), so LayerNorm rows over 8192 leave the one-pass kernel
+    (for the split one where it applies).
     """
-    if n > BWD_ONE_PASS_MAX or (not is_rms and elem_size == 4 and n > BWD_ONE_PASS_MAX // 2):
+    if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
         return BWD_BLOCKED
     block_n = max(16, next_pow2(n))
     tile, num_warps, per_sm = _BWD_TABLE[is_rms][max(1024, block_n)]
@@ -444,7 +445,7 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     if res_dtype is not None:
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
-    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms, xin.element_size())
+    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
     split = None if one_pass else _split_grid(n, m, heads, BWD_SPLIT, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     rows_per_head = m // heads

@@ -349,5 +349,6 @@ def main(argv=None) -> int:
             status = 1
         log(f"total wall-clock {time.perf_counter() - t_start:.1f}s")
     if dist is not None:
+        dist.barrier()  # tear down together: a gloo rank leaving while rank 0 still fits can abort
         dist.destroy_process_group()
     return status

@@ -45,6 +45,13 @@ def _setup():
     return dist.get_rank(), world, torch.device("cpu")
 
 
+def _teardown():
+    # Ranks leave together: a gloo rank that destroys its group while a peer is still in a
+    # collective can abort the peer ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _model(args, device):
     import transformers
     import llmkernels
@@ -90,7 +97,7 @@ def train(args) -> list:
             loss /= world
         losses.append(loss.item())
     if world > 1:
-        dist.destroy_process_group()
+        _teardown()
     return losses if rank == 0 else None
 
 
@@ -124,7 +131,7 @@ def sp_norm(args) -> dict:
         "dx_rel_err": ((xd.grad.full_tensor() - xr.grad).norm() / xr.grad.norm()).item(),
         "dw_rel_err": ((norm.weight.grad.full_tensor() - ref.weight.grad).norm() / ref.weight.grad.norm()).item(),
     }
-    dist.destroy_process_group()
+    _teardown()
     return out if rank == 0 else None
 
 

@@ -5,8 +5,8 @@ against the device-to-device copy measured in the same run. Used to choose the t
 ``llmkernels/ops/norm.py``; results go to ``$OUT/tune_norm.json`` (or ``--out``).
 
     python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd]
-    python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide rows: row-split configs vs blocked
-    python benchmarks/tune_norm.py defaults [--ns ...]     # every dtype and op with the defaults
+    python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide-row backward: row-split configs vs blocked
+    python benchmarks/tune_norm.py defaults [--ns ...] [--which bwd]  # every dtype and op with the defaults
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def main():
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--op", choices=["rms", "ln"], default="rms")
-    ap.add_argument("--split-widths", default="4096,8192,16384", help="split: columns per program to try")
+    ap.add_argument("--split-widths", default="4096,8192", help="split: columns per program to try")
+    ap.add_argument("--dtypes", default="bf16", help="split: input dtypes to try")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     ceiling = copy_bandwidth(torch.device("cuda"))
@@ -125,24 +126,26 @@ def main():
     elif args.what == "split":
         # (columns per program, num_warps, programs per SM); None = the blocked loops
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + [(c, nw, 1) for c, nw in itertools.product(widths, [4, 8, 16, 32]) if c * 2 >= nw * 32 * 8]
-        saved = N_.FWD_SPLIT, N_.BWD_SPLIT, N_.ROW_SPLIT
-        for n, mode, cfg in itertools.product(ns, args.which.split(","), cands):
+        cands = [None] + [(c, nw, skew) for c, nw, skew in itertools.product(widths, [8, 16], [False, True])]
+        saved = N_._split_config, N_.ROW_SPLIT
+        for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             N_.ROW_SPLIT = cfg is not None
-            N_.FWD_SPLIT = N_.BWD_SPLIT = cfg or saved[0]
-            rec = time_case(n, torch.bfloat16, args.op == "rms", False, mode, records, ceiling, "split", cfg)
+            N_._split_config = (lambda is_rms, elem_size, cfg=cfg: cfg) if cfg else saved[0]
+            rec = time_case(n, DTYPES[dname], args.op == "rms", False, "bwd", records, ceiling, "split", cfg)
             if rec:
-                print(f"{args.op} {mode} n={n:6d} {str(cfg):18s} {rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})", flush=True)
+                print(f"{args.op} bwd {dname} n={n:6d} {str(cfg):22s} {rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})",
+                      flush=True)
             torch.cuda.empty_cache()
-        N_.FWD_SPLIT, N_.BWD_SPLIT, N_.ROW_SPLIT = saved
+        N_._split_config, N_.ROW_SPLIT = saved
     else:
         print(f"{'op':10s} {'dtype':5s} {'N':>7s}  fwd GB/s (%copy)   bwd GB/s (%copy)")
         for (op, is_rms, residual), (dname, dtype), n in itertools.product(
                 [("rmsnorm", True, False), ("layernorm", False, False), ("add_rms", True, True)], DTYPES.items(), ns):
             if dtype == torch.float32 and n > 65536:
                 continue
-            recs = [time_case(n, dtype, is_rms, residual, mode, records, ceiling, op) for mode in ("fwd", "bwd")]
-            cells = "   ".join(f"{r['gbps']:5.0f} ({r['pct']:5.1%})" if r else "  failed      " for r in recs)
+            recs = [time_case(n, dtype, is_rms, residual, mode, records, ceiling, op) if mode in args.which else None
+                    for mode in ("fwd", "bwd")]
+            cells = "   ".join(f"{r['gbps']:5.0f} ({r['pct']:5.1%})" if r else "  -           " for r in recs)
             print(f"{op:10s} {dname:5s} {n:7d}  {cells}", flush=True)
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, f"tune_norm_{args.what}_{args.op}.json"), "w") as f:

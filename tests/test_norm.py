@@ -166,18 +166,20 @@ def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
     check_norm(is_rms, x, w, b, res, prenorm=True)
 
 
+@pytest.mark.parametrize("skew", [False, True], ids=["lockstep", "skewed"])
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_split_path_forced(is_rms, dtype, parts, device, monkeypatch):
+def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
     """The split backward at a small width (limit lowered): one part per row (also under the
-    interpreter) or four, the last one partly masked; more rows than groups in flight."""
+    interpreter) or four, the last one partly masked; more rows than groups in flight; the
+    exchange in step with the row or a row ahead."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "BWD_SPLIT", (128 // parts, 4, 1))
-    assert norm_ops._split_grid(n, 300, 1, norm_ops.BWD_SPLIT, torch.device(device))[0] == parts
+    monkeypatch.setattr(norm_ops, "_split_config", lambda is_rms, elem_size: (128 // parts, 4, skew))
+    assert norm_ops._split_grid(n, 300, 1, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),

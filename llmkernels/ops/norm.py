@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET, arrive_row, as_rows, cdiv, check_tensor, launch, next_pow2, persistent_programs,
-                      use_kernels, wait_row)
+from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish,
+                      use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -37,12 +37,18 @@ BWD_ONE_PASS_MAX = 16384
 FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
-# partial row dot products (``_norm_bwd_split_kernel``): (columns per program, num_warps,
-# programs per SM). One program per SM keeps every program of the grid resident at once, which
-# the exchange needs. LLMKERNELS_ROW_SPLIT=0 turns the split off (the blocked loops then take
-# every wide row). H100: 62-64% of copy against 57% (RMSNorm) and 44-48% (LayerNorm) blocked;
-# split forwards measured below the blocked forward (65-81% vs 81-87%) and were dropped.
-BWD_SPLIT = (8192, 16, 1)
+# partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
+# program of the grid is resident at once, which the exchange needs:
+# (RMSNorm?, bytes per element) -> (columns per program, num_warps, skewed exchange).
+# LLMKERNELS_ROW_SPLIT=0 turns the split off (the blocked loops then take every wide row).
+# H100 sweeps (benchmarks/results/tune-norm-h100-2026-11-22/, split_*): see the README there.
+# Split forwards measured below the blocked forward (65-81% vs 81-87%) and were dropped.
+BWD_SPLIT = {
+    (True, 2): (8192, 8, True),
+    (True, 4): (8192, 16, False),
+    (False, 2): (8192, 8, False),
+    (False, 4): (4096, 16, True),
+}
 ROW_SPLIT = os.environ.get("LLMKERNELS_ROW_SPLIT", "1") != "0"
 
 
@@ -267,71 +273,113 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
+def _split_load(X, DY, row, stride_x, stride_dy, cols, M, N):
+    """One row's slice of x and dy, in the input dtype; zeros for a row past the last."""
+    n = tl.where(row < M, N, 0)
+    return (tl.load(X + row * stride_x + cols, mask=cols < n, other=0.0),
+            tl.load(DY + row * stride_dy + cols, mask=cols < n, other=0.0))
+
+
+@triton.jit
+def _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS: tl.constexpr):
+    """x_hat of a row's slice and the row's rstd (a row past the last reads the last's)."""
+    stat_row = tl.minimum(row, M - 1)
+    rstd = tl.load(RSTD + stat_row)
+    if IS_RMS:
+        x_hat = x.to(tl.float32) * rstd
+    else:
+        x_hat = tl.where(mask, (x.to(tl.float32) - tl.load(MEAN + stat_row)) * rstd, 0.0)
+    return x_hat, rstd
+
+
+@triton.jit
+def _split_publish(x, dy, row, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, part, PARTS: tl.constexpr,
+                   in_ty: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                   QUANTIZE: tl.constexpr):
+    """Publish a row slice's parts of the row dot products; returns the dW/dB accumulators."""
+    x_hat, _ = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
+    wdy, dw_acc, db_acc = _dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    slot = SLOTS + (row * PARTS + part) * 2
+    publish(slot, tl.sum(x_hat * wdy, axis=0))
+    if not IS_RMS:
+        publish(slot + 1, tl.sum(wdy, axis=0))
+    return dw_acc, db_acc
+
+
+@triton.jit
 def _norm_bwd_split_kernel(
-    X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, DOTS, COUNT,
+    X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, SLOTS,
     M, N,
     stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
     weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr,
-    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr,
 ):
     """Backward of rows too wide for one program: ``PARTS`` programs share each row, each
     holding a ``BLOCK_N``-column slice of x and dy in registers, so both are read once. Each
-    publishes its slice's part of the two row dot products to ``DOTS [M, PARTS, 2]``, waits
-    for its siblings, sums the parts and writes dx. A program accumulates dW/dB for its columns
-    over its group's rows and writes one row of ``DW_PART [groups, N]``.
+    publishes its slice's part of the two row dot products to ``SLOTS [M + groups, PARTS, 2]``
+    (int64, zeroed; see ``publish``/``collect``), collects its siblings' parts, sums them and
+    writes dx; the next row's loads are issued before the wait. With ``SKEW`` the exchange runs
+    a row ahead: the iteration that writes row r's dx publishes row r + 1's parts (loaded an
+    iteration earlier) and loads row r + 2, so the parts collected for row r were published an
+    iteration ago and a program seldom waits, at the price of a third row slice in registers.
+    (Rows past the last publish zeros into the spare slots.) A program
+    accumulates dW/dB for its columns over its group's rows and writes one row of
+    ``DW_PART [groups, N]``.
     Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ...
     """
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
+    step = tl.num_programs(0) // PARTS
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     in_ty = X.dtype.element_ty
-    parts = tl.arange(0, PARTS_POW2)
-    part_mask = parts < PARTS
+    idx = tl.arange(0, 2 * PARTS_POW2)  # [part, dot] of a row's slots, flattened
+    if IS_RMS:
+        slot_mask = (idx < 2 * PARTS) & (idx % 2 == 0)
+    else:
+        slot_mask = idx < 2 * PARTS
     w = 0.0  # unused without a weight
     if HAS_W:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    step = tl.num_programs(0) // PARTS
-    # Each row's loads are issued one iteration ahead, while the program waits at the barrier;
-    # they stay in the input dtype until used, so that nothing waits for them early.
-    nxt = group + tl.zeros([], dtype=tl.int64)
-    x_next = tl.load(X + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0)
-    dy_next = tl.load(DY + nxt * stride_dy + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0)
+    first = group + tl.zeros([], dtype=tl.int64)
+    x_now, dy_now = _split_load(X, DY, first, stride_x, stride_dy, cols, M, N)
+    if SKEW:
+        x_next, dy_next = _split_load(X, DY, first + step, stride_x, stride_dy, cols, M, N)
+        dw_acc, db_acc = _split_publish(x_now, dy_now, first, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
+                                        part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
     for row in range(group, M, step):
         row64 = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-        x = x_next.to(tl.float32)
-        dy = dy_next.to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        if IS_RMS:
-            x_hat = x * rstd
-        else:
-            x_hat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
-        wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
-        dot = DOTS + (row64 * PARTS + part) * 2
-        tl.store(dot, tl.sum(x_hat * wdy, axis=0))
+        if SKEW:  # publish the next row's parts, load the one after
+            x_far, dy_far = _split_load(X, DY, row64 + 2 * step, stride_x, stride_dy, cols, M, N)
+            dw_acc, db_acc = _split_publish(x_next, dy_next, row64 + step, w, dw_acc, db_acc, SLOTS, MEAN, RSTD,
+                                            mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+        else:  # publish this row's parts, load the next row
+            dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD,
+                                            mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+            x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
+        x_hat, rstd = _split_x_hat(x_now, row64, MEAN, RSTD, mask, M, IS_RMS)
+        wdy = dy_now.to(tl.float32)
+        if HAS_W:
+            wdy = wdy * w
+        dots = collect(SLOTS + row64 * PARTS * 2 + idx, slot_mask)
+        mean_xw = tl.sum(tl.where(idx % 2 == 0, dots, 0.0), axis=0) / N
+        dx = wdy - x_hat * mean_xw
         if not IS_RMS:
-            tl.store(dot + 1, tl.sum(wdy, axis=0))
-        arrive_row(COUNT, row)
-        nxt = row64 + step
-        x_next = tl.load(X + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0)
-        dy_next = tl.load(DY + nxt * stride_dy + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0)
-        wait_row(COUNT, row, PARTS)
-        dots = DOTS + (row64 * PARTS + parts) * 2
-        mean_xw = tl.sum(tl.load(dots, mask=part_mask, other=0.0, volatile=True), axis=0) / N
-        if IS_RMS:
-            dx = (wdy - x_hat * mean_xw) * rstd
-        else:
-            mean_w = tl.sum(tl.load(dots + 1, mask=part_mask, other=0.0, volatile=True), axis=0) / N
-            dx = (wdy - x_hat * mean_xw - mean_w) * rstd
+            dx -= tl.sum(tl.where(idx % 2 == 1, dots, 0.0), axis=0) / N
+        dx *= rstd
         if HAS_DH:
             dx += tl.load(DH + row64 * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
             tl.store(DRES + row64 * stride_dres + cols, dx.to(DRES.dtype.element_ty), mask=mask)
+        if SKEW:
+            x_now, dy_now, x_next, dy_next = x_next, dy_next, x_far, dy_far
+        else:
+            x_now, dy_now = x_next, dy_next
     out = (group + tl.zeros([], dtype=tl.int64)) * N + cols
     if HAS_W:
         tl.store(DW_PART + out, dw_acc.to(DW_PART.dtype.element_ty), mask=mask)
@@ -384,16 +432,21 @@ def _bwd_config(n: int, m: int, is_rms: bool = True):
     return block_m, block_n, num_warps, True, per_sm
 
 
-def _split_grid(n: int, m: int, heads: int, split: tuple, device: torch.device):
-    """``(parts, groups)`` for rows of ``n`` split over ``parts`` programs, ``groups`` rows in
-    flight; None where the split does not apply: per-head weights, more parts than can be
-    resident at once, or several parts under the interpreter (which runs programs one after
-    another, so a program waiting for its siblings would never return)."""
+def _split_config(is_rms: bool, elem_size: int):
+    """(columns per program, num_warps, skew) of the split backward."""
+    return BWD_SPLIT[is_rms, min(elem_size, 4)]
+
+
+def _split_grid(n: int, m: int, heads: int, block_n: int, device: torch.device):
+    """``(parts, groups)`` for rows of ``n`` split over ``parts`` programs of ``block_n``
+    columns, ``groups`` rows in flight; None where the split does not apply: per-head
+    weights, more parts than can be resident at once, or several parts under the interpreter
+    (which runs programs one after another, so a program waiting for its siblings would never
+    return)."""
     if not ROW_SPLIT or heads > 1:
         return None
-    block_n, _, per_sm = split
     parts = cdiv(n, block_n)
-    resident = persistent_programs(device, per_sm)
+    resident = persistent_programs(device, 1)
     if parts > resident or (INTERPRET and parts > 1):
         return None
     return parts, max(1, min(m, resident // parts))
@@ -446,7 +499,8 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
-    split = None if one_pass else _split_grid(n, m, heads, BWD_SPLIT, dev)
+    split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
+    split = None if one_pass else _split_grid(n, m, heads, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     rows_per_head = m // heads
     if split is not None:
@@ -464,14 +518,14 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
                dx if dres is None or dres is dx else dres,
                dx if dw_part is None else dw_part, dx if db_part is None else db_part,
                rstd if mean is None else mean, rstd,
-               torch.empty((m, parts, 2), dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.int32, device=dev),
+               torch.zeros((m + n_progs, parts, 2), dtype=torch.int64, device=dev),
                m, n,
                xin.stride(0), dy.stride(0), 0 if dh is None else dh.stride(0), dx.stride(0),
                0 if dres is None else dres.stride(0),
                weight_offset,
                IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
                HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-               PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=BWD_SPLIT[0], num_warps=BWD_SPLIT[1])
+               PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cols, SKEW=skew, num_warps=split_warps)
     elif m > 0:
         dots = None
         if not one_pass:

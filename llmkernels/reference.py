@@ -184,3 +184,27 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
                                  compute_dtype=compute_dtype)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
     return loss.to(out_dtype), z.to(out_dtype), lse
+
+
+# --------------------------------------------------------------------------------------------
+# Gated-MLP activation (SwiGLU, GeGLU)
+# --------------------------------------------------------------------------------------------
+GLU_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+def glu_activation(x, activation):
+    """``act(x)``: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU as Gemma computes it, GELU's tanh
+    approximation) or ``"gelu"`` (exact, erf)."""
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return torch.nn.functional.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def glu(gate, up, activation="silu", *, compute_dtype=torch.float32):
+    """``act(gate) * up`` of two tensors of one shape and dtype; see ``llmkernels.glu``.
+
+    ``act(gate)`` is rounded to the inputs' dtype before the product, as Hugging Face's MLPs
+    compute it (``act_fn(gate_proj(x)) * up_proj(x)`` in the model's dtype); the product is
+    rounded once more. Both roundings vanish for float64 inputs."""
+    a = glu_activation(gate.to(compute_dtype), activation).to(gate.dtype).to(compute_dtype)
+    return (a * up.to(compute_dtype)).to(gate.dtype)

@@ -15,6 +15,7 @@ from llmkernels.bench.registry import MODES, Provider, Unavailable
 from llmkernels.bench.runner import TOL, Case, Runner, Settings
 
 NORM_OPS = ("rmsnorm", "layernorm", "add_rmsnorm")
+GLU_OPS = ("swiglu", "geglu")
 PEERS = ("llmkernels", "torch", "hf_eager", "torch_compile", "liger", "quack")
 
 
@@ -47,7 +48,18 @@ def test_min_bytes(name, mode, tensors, vectors, dtype):
     assert op.min_bytes({"M": m, "N": n}, dtype, "fwd+bwd") == both
 
 
-PAIRS = [(op, p) for op in NORM_OPS for p in ops()[op].providers]
+@pytest.mark.parametrize("name", GLU_OPS)
+def test_glu_ops(name):
+    """gate, up [M, I]: fwd reads 2 and writes 1, bwd reads 3 (gate, up, dy) and writes 2."""
+    op = ops()[name]
+    assert list(op.providers)[0] == "llmkernels" and set(op.providers) <= set(PEERS)
+    assert op.shape(14336, None) == {"M": 9362, "I": 14336}  # 256 MiB per bf16 tensor
+    assert set(op.grad_inputs) == {"gate", "up"}
+    shape, e = {"M": 96, "I": 1000}, torch.bfloat16.itemsize
+    assert [op.min_bytes(shape, torch.bfloat16, m) for m in MODES] == [k * 96 * 1000 * e for k in (3, 5, 8)]
+
+
+PAIRS = [(op, p) for op in NORM_OPS + GLU_OPS for p in ops()[op].providers]
 
 
 @pytest.mark.parametrize("op_name,provider", PAIRS, ids=[f"{o}-{p}" for o, p in PAIRS])

@@ -1,5 +1,5 @@
 """torch.compile of patched models: ``fullgraph=True`` (any graph break raises) gives the eager
-result, forward and backward; and ``torch.library.opcheck`` of the norm custom ops. On CPU the
+result, forward and backward; and ``torch.library.opcheck`` of the norm and GLU custom ops. On CPU the
 ``aot_eager`` backend needs no C++ compiler, and the custom ops run the real kernels through
 Triton's interpreter; on CUDA the default (inductor) backend is used."""
 import copy
@@ -77,3 +77,14 @@ def test_norm_custom_ops_opcheck(residual):
     bwd_args = (dy, dy.clone() if residual else None, xin, w.detach(), False, None, rstd, 1, 0.0, True, True,
                 torch.float32, torch.float32 if residual else None)
     torch.library.opcheck(torch.ops.llmkernels.norm_bwd.default, bwd_args)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_custom_ops_opcheck(activation):
+    """llmkernels::glu_fwd / glu_bwd, with up a strided half of a fused gate_up tensor."""
+    m, n = 6, 32
+    gate = torch.randn(m, n, device=DEVICE, requires_grad=True)
+    up = torch.randn(m, 2 * n, device=DEVICE)[:, n:].requires_grad_()
+    torch.library.opcheck(torch.ops.llmkernels.glu_fwd.default, (gate, up, activation))
+    dy = torch.randn(m, n, device=DEVICE)
+    torch.library.opcheck(torch.ops.llmkernels.glu_bwd.default, (dy, gate.detach(), up.detach(), activation))

@@ -1,0 +1,254 @@
+"""Gated-MLP activation: ``y = act(gate) * up`` (SwiGLU, GeGLU), one kernel each way.
+
+A Llama-style MLP computes ``down_proj(act(gate_proj(x)) * up_proj(x))``. With ``gate, up [..., I]``
+(or the two halves of a fused ``gate_up_proj`` output, as Phi-3 and the MoE experts store it)::
+
+    forward:   y      = q(act(gate)) * up
+    backward:  d_up   = dy * q(act(gate))
+               d_gate = dy * up * act'(gate)
+
+``act`` is ``silu(g) = g * sigmoid(g)`` (SwiGLU), ``gelu_tanh`` (GELU's tanh approximation, as
+Gemma uses it; computed as ``g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))``, which equals
+``0.5 g (1 + tanh(...))``) or ``gelu`` (exact, ``g * Phi(g)`` with erf).
+
+Dtypes: gate and up share one float dtype (bf16, fp16, fp32); y, d_gate and d_up are in that
+dtype. Arithmetic is fp32. ``q`` rounds ``act(gate)`` to the input dtype before the product, as
+Hugging Face's eager MLP does (it computes ``act_fn(gate)`` in the model's dtype), so bf16/fp16
+outputs equal HF's up to the last bit of the fp32 transcendental (identity for fp32). The
+gradients are rounded once each; ``d_up`` uses the same ``q(act(gate))`` that the forward
+multiplied by, ``d_gate`` passes ``q`` straight through.
+
+Memory: the backward recomputes ``act(gate)`` from the saved gate and up, so the op saves two
+``[..., I]`` tensors where HF's eager MLP saves three (gate, up and ``act(gate)``).
+
+The kernels are elementwise and memory bound (fwd: gate, up read, y written; bwd: gate, up, dy
+read, d_gate, d_up written). They see ``[M, I]`` rows (leading dimensions flattened) through
+row strides with a unit-stride last dimension, so slices of a fused projection run without
+copies; outputs are new contiguous tensors. Each program owns a ``[BLOCK_M, BLOCK_N]`` tile of
+about ``TILE_ELEMENTS`` elements on a 1-D grid, column tiles fastest.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ._common import as_rows, cdiv, check_tensor, launch, next_pow2, use_kernels
+
+ACTIVATIONS = reference.GLU_ACTIVATIONS
+# Elements a program moves per tensor, widest column tile, warps (16 elements a thread). On
+# H100, bf16, 256 MiB per tensor, I = 4096 and 14336 (benchmarks/results/nvidia-h100-80gb-hbm3-
+# 2026-11-22-session2/glu/tune.log): every tile of 2048-8192 elements, 4 or 8 warps, ran fwd and
+# bwd at 100-102% of the copy bandwidth, strided halves of a fused gate_up too.
+TILE_ELEMENTS = 4096
+MAX_BLOCK_N = 2048
+NUM_WARPS = 8
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """``(act(g), act'(g))`` of fp32 ``g``."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 (1 + tanh(z)) = sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3); 1.5957... = 2 sqrt(2/pi)
+        s = tl.sigmoid(1.5957691216057308 * g * (1.0 + 0.044715 * g * g))
+        a = g * s
+        da = s + a * (1.0 - s) * 1.5957691216057308 * (1.0 + 3 * 0.044715 * g * g)
+    else:
+        # Phi(g) = 0.5 (1 + erf(g / sqrt(2))); phi(g) = exp(-g^2 / 2) / sqrt(2 pi)
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    return a, da
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: rows [BLOCK_M, 1] (int64), columns [1, BLOCK_N], mask."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // col_blocks
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid - pid_m * col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _glu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u,
+                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Y [M, N] contiguous = q(act(G)) * U; G, U: [M, N] with row strides."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _activation(g, ACTIVATION)
+    a = a.to(Y.dtype.element_ty).to(tl.float32)  # HF's act_fn(gate) in the model's dtype
+    tl.store(Y + rows * N + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u,
+                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DG, DU [M, N] contiguous: dy * up * act'(gate) and dy * q(act(gate))."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, da = _activation(g, ACTIVATION)
+    a = a.to(DU.dtype.element_ty).to(tl.float32)
+    tl.store(DG + rows * N + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows * N + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+def _config(m: int, n: int):
+    """(BLOCK_M, BLOCK_N, num_warps): tiles of about TILE_ELEMENTS, several rows when they are
+    narrower than MAX_BLOCK_N."""
+    block_n = min(next_pow2(n), MAX_BLOCK_N)
+    block_m = min(next_pow2(m), max(1, TILE_ELEMENTS // block_n))
+    return block_m, block_n, NUM_WARPS
+
+
+def _grid(m: int, n: int):
+    block_m, block_n, num_warps = _config(m, n)
+    return (cdiv(m, block_m) * cdiv(n, block_n),), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed) as a new contiguous
+    ``[M, N]`` tensor of gate's dtype."""
+    m, n = gate.shape
+    gate, up = as_rows(gate, n), as_rows(up, n)
+    y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    if y.numel():
+        grid, config = _grid(m, n)
+        launch(_glu_fwd_kernel, grid, gate, up, y, m, n, gate.stride(0), up.stride(0),
+               ACTIVATION=activation, **config)
+    return y
+
+
+def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
+    """``(d_gate, d_up)``, new contiguous ``[M, N]`` tensors of gate's dtype, from ``dy, gate,
+    up [M, N]`` (row strides allowed)."""
+    m, n = gate.shape
+    dy, gate, up = as_rows(dy, n), as_rows(gate, n), as_rows(up, n)
+    d_gate = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    if d_gate.numel():
+        grid, config = _grid(m, n)
+        launch(_glu_bwd_kernel, grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), gate.stride(0),
+               up.stride(0), ACTIVATION=activation, **config)
+    return d_gate, d_up
+
+
+# --------------------------------------------------------------------------------------------
+# autograd: an autograd.Function for eager mode, and the same launchers registered as custom
+# ops for torch.compile (no graph break: the compiler sees two opaque ops with fake kernels).
+# Only gate and up are saved; the backward recomputes the activation.
+# --------------------------------------------------------------------------------------------
+class _GluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return _glu_fwd(gate, up, activation)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation)
+        return d_gate, d_up, None
+
+
+@torch.library.custom_op("llmkernels::glu_fwd", mutates_args=())
+def _glu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _glu_fwd(gate, up, activation)
+
+
+@_glu_fwd_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("llmkernels::glu_bwd", mutates_args=())
+def _glu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_bwd(dy, gate, up, activation)
+
+
+@_glu_bwd_op.register_fake
+def _(dy, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _glu_op_setup_context(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _glu_op_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    d_gate, d_up = _glu_bwd_op(dy, gate, up, ctx.activation)
+    return d_gate, d_up, None
+
+
+torch.library.register_autograd("llmkernels::glu_fwd", _glu_op_backward, setup_context=_glu_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def _check_glu_args(gate, up, activation) -> None:
+    check_tensor("gate", gate)
+    check_tensor("up", up, like=gate, like_name="gate")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dimension (the intermediate one)")
+    if up.shape != gate.shape:
+        raise ValueError(f"up shape {list(up.shape)} must equal gate shape {list(gate.shape)}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up dtype {up.dtype} must equal gate dtype {gate.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The gated-MLP activation ``act(gate) * up``, fused: SwiGLU (``"silu"``) and GeGLU.
+
+    Args:
+        gate: ``[..., I]`` float32/bfloat16/float16 (float64 runs the reference), e.g.
+            ``gate_proj(x)``. Any strides with a unit-stride last dimension: the halves of a
+            fused projection, ``gate_up_proj(x).chunk(2, dim=-1)``, are read in place.
+        up: same shape, dtype and device as gate.
+        activation: ``"silu"`` (Llama, Mistral, Qwen, Phi-3, OLMo: SwiGLU), ``"gelu_tanh"``
+            (Gemma's ``gelu_pytorch_tanh``: GeGLU) or ``"gelu"`` (exact erf GELU).
+
+    Returns:
+        ``y [..., I]`` contiguous, in gate's dtype: ``act(gate)`` rounded to that dtype, times
+        ``up``, as Hugging Face's eager MLP computes it (fp32 arithmetic). Differentiable in
+        gate and up; only gate and up are saved for the backward, which recomputes
+        ``act(gate)``.
+    """
+    _check_glu_args(gate, up, activation)
+    if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
+        compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+        return reference.glu(gate, up, activation, compute_dtype=compute)
+    shape, n = gate.shape, gate.shape[-1]
+    args = (as_rows(gate, n), as_rows(up, n), activation)
+    if torch.compiler.is_compiling():
+        y = _glu_fwd_op(*args)
+    elif torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        y = _GluFunction.apply(*args)
+    else:
+        y = _glu_fwd(*args)  # inference: no autograd node, nothing saved
+    return y.view(shape)

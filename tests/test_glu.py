@@ -1,0 +1,183 @@
+"""Gated-MLP activation (SwiGLU, GeGLU): output and gate/up gradients against the float64
+reference for each activation and dtype, halves of a fused gate_up projection, leading shapes
+and widths over one column tile, Hugging Face's rounding, what autograd saves, torch.compile,
+bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmkernels
+from llmkernels import reference
+from llmkernels.ops import glu as glu_ops
+
+from tests.conftest import DEVICE, INTERPRETED
+from llmkernels.bench.runner import poisoned
+from tests.helpers import assert_close
+
+F64 = torch.float64
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Elementwise bound |out - ref| <= atol + rtol |ref|: two roundings (act(gate), then the
+# product) and the interpreter's bf16 truncation (tests/conftest.py) fit in rtol.
+ELEMENTWISE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-5), torch.float16: (4e-3, 1e-5)}
+
+
+def assert_matches(out, ref, dtype, name):
+    """Relative-norm check (tests/helpers.py) and the elementwise bound."""
+    assert out.dtype == dtype, f"{name}: dtype {out.dtype} != {dtype}"
+    assert_close(out, ref, dtype, name)
+    rtol, atol = ELEMENTWISE[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref.double().cpu(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def check(activation, *leaves, split=lambda *t: t):
+    """glu of ``split(*leaves)`` (gate, up) against the float64 reference of the same: the
+    output, and every leaf's gradient for a random upstream gradient. Outputs poisoned."""
+    gate, up = split(*leaves)
+    with poisoned():
+        y = llmkernels.glu(gate, up, activation)
+    assert y.shape == gate.shape and y.is_contiguous()
+    leaves64 = [t.detach().to(F64).requires_grad_() for t in leaves]
+    ref = reference.glu(*split(*leaves64), activation, compute_dtype=F64)
+    assert_matches(y, ref, gate.dtype, "y")
+    dy = torch.randn_like(y)
+    with poisoned():
+        got = torch.autograd.grad(y, leaves, dy)
+    want = torch.autograd.grad(ref, leaves64, dy.to(F64))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_matches(g, w, gate.dtype, f"gradient of leaf {i}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_backward(activation, dtype):
+    gate = (torch.randn(2, 5, 48, device=DEVICE) * 3).to(dtype).requires_grad_()
+    up = torch.randn(2, 5, 48, device=DEVICE).to(dtype).requires_grad_()
+    check(activation, gate, up)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_halves_of_a_fused_gate_up_projection(activation, dtype):
+    """gate, up = gate_up.chunk(2, -1) (Phi-3, MoE experts): views with row stride 2 I, read in
+    place; the gradient reaches the fused tensor."""
+    gate_up = torch.randn(3, 4, 2 * 40, device=DEVICE).to(dtype).requires_grad_()
+    gate, _ = gate_up.chunk(2, dim=-1)
+    assert not gate.is_contiguous() and gate.stride(-2) == 80
+    check(activation, gate_up, split=lambda t: t.chunk(2, dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 1), (9, 1), (3, 2049), (2, 3, 4, 24)])
+def test_leading_shapes_and_widths(shape):
+    """No leading dims, one element, a single column, a row wider than a column tile (2049 >
+    MAX_BLOCK_N: several column tiles and a masked tail), 4-D."""
+    assert glu_ops.MAX_BLOCK_N < 2049
+    gate = torch.randn(shape, device=DEVICE, requires_grad=True)
+    up = torch.randn(shape, device=DEVICE, requires_grad=True)
+    check("silu", gate, up)
+
+
+def test_transposed_and_broadcast_inputs():
+    """A transposed gate (last stride not 1) is copied first; an expanded dy (``y.sum()``'s
+    gradient, all strides 0) works too."""
+    gate = torch.randn(24, 6, device=DEVICE).t().requires_grad_()
+    up = torch.randn(6, 24, device=DEVICE, requires_grad=True)
+    check("gelu_tanh", gate, up)
+    y = llmkernels.glu(gate, up)
+    d_gate, d_up = torch.autograd.grad(y.sum(), (gate, up))
+    g64, u64 = gate.detach().to(F64).requires_grad_(), up.detach().to(F64).requires_grad_()
+    want = torch.autograd.grad(reference.glu(g64, u64, compute_dtype=F64).sum(), (g64, u64))
+    assert_matches(d_gate, want[0], torch.float32, "d_gate")
+    assert_matches(d_up, want[1], torch.float32, "d_up")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounds_like_hugging_face(dtype):
+    """act(gate) is rounded to the input dtype before the product, as HF's eager MLP computes
+    ``act_fn(gate) * up``: on the GPU at least 99% of the elements are bit-equal (the rest
+    differ in the fp32 transcendental); the interpreter rounds bf16 toward zero."""
+    gate = torch.randn(64, 256, device=DEVICE).to(dtype)
+    up = torch.randn(64, 256, device=DEVICE).to(dtype)
+    for activation, hf in (("silu", F.silu(gate) * up), ("gelu_tanh", F.gelu(gate, approximate="tanh") * up)):
+        y = llmkernels.glu(gate, up, activation)
+        assert_close(y, hf, dtype, f"{activation} vs HF")
+        if not INTERPRETED:
+            assert (y == hf).float().mean() > 0.99
+
+
+def test_saves_only_gate_and_up():
+    """The backward recomputes act(gate): autograd holds gate and up, not a third tensor."""
+    gate = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+    up = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        llmkernels.glu(gate * 1.0, up * 1.0)  # non-leaf inputs, as gate_proj(x) and up_proj(x) are
+    assert len(saved) == 2 and all(t.shape == gate.shape for t in saved)
+
+
+def test_gradient_for_one_input_and_inference():
+    """Only up needs a gradient (frozen gate projection), and no_grad: same output."""
+    gate = torch.randn(5, 16, device=DEVICE)
+    up = torch.randn(5, 16, device=DEVICE, requires_grad=True)
+    y = llmkernels.glu(gate, up)
+    (d_up,) = torch.autograd.grad(y, up, torch.ones_like(y))
+    assert_matches(d_up, reference.glu_activation(gate.to(F64), "silu"), torch.float32, "d_up")
+    with torch.no_grad():
+        assert torch.equal(llmkernels.glu(gate, up), y)
+
+
+def test_float64_and_empty():
+    """float64 runs the reference; empty tensors keep their shape."""
+    gate, up = torch.randn(3, 8, device=DEVICE, dtype=F64), torch.randn(3, 8, device=DEVICE, dtype=F64)
+    assert torch.equal(llmkernels.glu(gate, up, "gelu"), reference.glu(gate, up, "gelu", compute_dtype=F64))
+    for shape in [(0, 8), (4, 0)]:
+        empty = torch.randn(shape, device=DEVICE, requires_grad=True)
+        y = llmkernels.glu(empty, empty)
+        assert y.shape == shape
+        y.sum().backward()
+
+
+def test_torch_compile_fullgraph():
+    """The custom ops trace with fullgraph=True: forward and both gradients equal eager."""
+    backend = "aot_eager" if INTERPRETED else "inductor"
+
+    def fn(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return llmkernels.glu(gate, up, "gelu_tanh")
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    gate_up = torch.randn(2, 5, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y, want = compiled(gate_up), fn(gate_up)
+    assert torch.equal(y, want)
+    dy = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, gate_up, dy)[0], torch.autograd.grad(want, gate_up, dy)[0])
+
+
+def _bad_cases():
+    gate = torch.randn(4, 8, device=DEVICE)
+    return [
+        ("up shape", ValueError, lambda: llmkernels.glu(gate, gate[:, :4])),
+        ("up shape", ValueError, lambda: llmkernels.glu(gate, gate[None])),
+        ("up dtype", TypeError, lambda: llmkernels.glu(gate, gate.bfloat16())),
+        ("gate must be a floating", TypeError, lambda: llmkernels.glu(gate.long(), gate)),
+        ("up must be a floating", TypeError, lambda: llmkernels.glu(gate, gate.int())),
+        ("up must be a torch.Tensor", TypeError, lambda: llmkernels.glu(gate, 1.0)),
+        ("activation must be one of", ValueError, lambda: llmkernels.glu(gate, gate, "relu")),
+        ("at least one dimension", ValueError, lambda: llmkernels.glu(gate[0, 0], gate[0, 0])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_bad_input(case):
+    match, exc, call = _bad_cases()[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_wrong_device():
+    if DEVICE == "cpu":
+        pytest.skip("needs a second device")
+    gate = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="up is on cpu"):
+        llmkernels.glu(gate, gate.cpu())

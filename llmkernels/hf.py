@@ -16,6 +16,14 @@ What is replaced (each can be switched off):
   per-head q/k norms of Qwen 3, Gemma 3 and OLMo 2, by ``llmkernels.rms_norm`` with the
   matching ``casting``.
 - ``layer_norm``: ``torch.nn.LayerNorm`` modules (GPT-NeoX) by ``llmkernels.layer_norm``.
+- ``mlp``: the product ``act_fn(gate) * up`` of the family's gated MLP by ``llmkernels.glu``
+  (``silu``: SwiGLU; Gemma's ``gelu_pytorch_tanh``: GeGLU; exact ``gelu``), which saves gate and
+  up for the backward but not ``act_fn(gate)``: Llama-style ``gate_proj``/``up_proj``/``down_proj``
+  MLPs (``forward``), Phi-3's fused ``gate_up_proj`` (``forward``, halves read in place) and the
+  3-D expert weights of Mixtral and Qwen 3 MoE (``_apply_gate``, the hook that transformers'
+  ``grouped_mm``, ``batched_mm`` and ``deepgemm`` experts implementations call; its ``eager``
+  one computes the product inline and is left alone). An MLP whose activation is none of those
+  three (or whose gate/up are DTensors) computes transformers' ``act_fn(gate) * up``.
 - ``rope``: the modeling module's ``apply_rotary_pos_emb`` by ``llmkernels.apply_rope``
   (partial rotary, as GPT-NeoX and Phi-3 use it, rotates the first ``cos.shape[-1]`` channels;
   inputs the kernel does not take go to the original function).
@@ -47,6 +55,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .ops.glu import ACTIVATIONS as GLU_ACTIVATIONS
+from .ops.glu import glu as _glu
 from .ops.linear_cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .ops.norm import layer_norm as _layer_norm
 from .ops.norm import rms_norm as _rms_norm
@@ -62,28 +72,36 @@ class _Family:
     norms: dict                      # RMSNorm class name -> llmkernels casting
     causal_lm: Optional[str]         # the *ForCausalLM class name
     layer_norm: bool = False         # uses torch.nn.LayerNorm (GPT-NeoX)
+    mlps: dict = dataclasses.field(default_factory=dict)  # gated-MLP class name -> layout (_MLP_PATCHES)
 
 
 _FAMILIES = {
-    "llama": _Family("llama", {"LlamaRMSNorm": "llama"}, "LlamaForCausalLM"),
-    "mistral": _Family("mistral", {"MistralRMSNorm": "llama"}, "MistralForCausalLM"),
-    "mixtral": _Family("mixtral", {"MixtralRMSNorm": "llama"}, "MixtralForCausalLM"),
-    "qwen2": _Family("qwen2", {"Qwen2RMSNorm": "llama"}, "Qwen2ForCausalLM"),
-    "qwen3": _Family("qwen3", {"Qwen3RMSNorm": "llama"}, "Qwen3ForCausalLM"),
-    "qwen3_moe": _Family("qwen3_moe", {"Qwen3MoeRMSNorm": "llama"}, "Qwen3MoeForCausalLM"),
-    "phi3": _Family("phi3", {"Phi3RMSNorm": "llama"}, "Phi3ForCausalLM"),
+    "llama": _Family("llama", {"LlamaRMSNorm": "llama"}, "LlamaForCausalLM", mlps={"LlamaMLP": "separate"}),
+    "mistral": _Family("mistral", {"MistralRMSNorm": "llama"}, "MistralForCausalLM",
+                       mlps={"MistralMLP": "separate"}),
+    "mixtral": _Family("mixtral", {"MixtralRMSNorm": "llama"}, "MixtralForCausalLM",
+                       mlps={"MixtralExperts": "experts"}),
+    "qwen2": _Family("qwen2", {"Qwen2RMSNorm": "llama"}, "Qwen2ForCausalLM", mlps={"Qwen2MLP": "separate"}),
+    "qwen3": _Family("qwen3", {"Qwen3RMSNorm": "llama"}, "Qwen3ForCausalLM", mlps={"Qwen3MLP": "separate"}),
+    "qwen3_moe": _Family("qwen3_moe", {"Qwen3MoeRMSNorm": "llama"}, "Qwen3MoeForCausalLM",
+                         mlps={"Qwen3MoeMLP": "separate", "Qwen3MoeExperts": "experts"}),
+    "phi3": _Family("phi3", {"Phi3RMSNorm": "llama"}, "Phi3ForCausalLM", mlps={"Phi3MLP": "fused"}),
     # OLMo 2 multiplies by the weight in fp32 and casts once: casting="none".
-    "olmo2": _Family("olmo2", {"Olmo2RMSNorm": "none"}, "Olmo2ForCausalLM"),
-    "gemma": _Family("gemma", {"GemmaRMSNorm": "gemma"}, "GemmaForCausalLM"),
-    "gemma2": _Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM"),
-    "gemma3_text": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, "Gemma3ForCausalLM"),
-    # The multimodal Gemma 3: its text tower's norms and RoPE; the loss stays transformers'.
-    "gemma3": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, None),
+    "olmo2": _Family("olmo2", {"Olmo2RMSNorm": "none"}, "Olmo2ForCausalLM", mlps={"Olmo2MLP": "separate"}),
+    "gemma": _Family("gemma", {"GemmaRMSNorm": "gemma"}, "GemmaForCausalLM", mlps={"GemmaMLP": "separate"}),
+    "gemma2": _Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM", mlps={"Gemma2MLP": "separate"}),
+    "gemma3_text": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, "Gemma3ForCausalLM",
+                           mlps={"Gemma3MLP": "separate"}),
+    # The multimodal Gemma 3: its text tower's norms, RoPE and MLPs; the loss stays transformers'.
+    "gemma3": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, None, mlps={"Gemma3MLP": "separate"}),
+    # GPT-NeoX's MLP is not gated (dense_4h_to_h(act(dense_h_to_4h(x)))).
     "gpt_neox": _Family("gpt_neox", {}, "GPTNeoXForCausalLM", layer_norm=True),
 }
 
 # Norm class name -> casting, for recognising these classes inside any model.
 _NORM_CASTING = {name: casting for fam in _FAMILIES.values() for name, casting in fam.norms.items()}
+# Gated-MLP class name -> layout, likewise.
+_MLP_LAYOUT = {name: layout for fam in _FAMILIES.values() for name, layout in fam.mlps.items()}
 
 # (owner, attribute) -> original value, for every class- or module-level change made here.
 _ORIGINALS: dict = {}
@@ -180,6 +198,83 @@ def _layer_norm_supported(m: nn.Module) -> Optional[str]:
     """None when ``m`` (a torch.nn.LayerNorm) can run on the kernel, else why not."""
     if len(m.normalized_shape) != 1:
         return f"normalized_shape {tuple(m.normalized_shape)} spans more than the last dimension"
+    return None
+
+
+# transformers activation modules that llmkernels.glu computes (torch.nn.SiLU and nn.GELU too).
+_GLU_ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+                    "GELUActivation": "gelu"}
+# Experts implementations (config._experts_implementation) that call the experts' _apply_gate.
+_APPLY_GATE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "deepgemm")
+
+
+def _glu_activation(act) -> Optional[str]:
+    """The ``llmkernels.glu`` activation equal to the module ``act``, or None."""
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if type(act).__module__.startswith("transformers."):
+        return _GLU_ACTIVATIONS.get(type(act).__name__)
+    return None
+
+
+def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act_fn(gate) * up``: ``llmkernels.glu`` when it computes ``act_fn`` on plain tensors,
+    else transformers' own expression."""
+    activation = _glu_activation(act_fn)
+    if activation is None or _is_dtensor(gate) or _is_dtensor(up):
+        return act_fn(gate) * up
+    return _glu(gate, up, activation)
+
+
+@_mark
+def _separate_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP (and its copies): ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    return self.down_proj(_gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
+
+
+@_mark
+def _fused_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Phi-3's MLP: ``gate, up = gate_up_proj(x).chunk(2, -1)``, ``down_proj(up * act(gate))``."""
+    gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+    return self.down_proj(_gated(self.activation_fn, gate, up))
+
+
+@_mark
+def _experts_apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """transformers' default ``_apply_gate`` of 3-D expert weights: ``gate, up =
+    gate_up_out.chunk(2, -1)`` (``[S, 2 I]``), ``act_fn(gate) * up``."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return _gated(self.act_fn, gate, up)
+
+
+# layout -> (attribute replaced, replacement, attribute holding the activation module)
+_MLP_PATCHES = {
+    "separate": ("forward", _separate_mlp_forward, "act_fn"),
+    "fused": ("forward", _fused_mlp_forward, "activation_fn"),
+    "experts": ("_apply_gate", _experts_apply_gate, "act_fn"),
+}
+
+
+def _mlp_not_patchable(owner, layout: str, instance: bool) -> Optional[str]:
+    """Why the gated-MLP class or module ``owner`` must keep its own code, or None. A class
+    (``instance=False``) is patched whatever its models' activations: each falls back at run
+    time; a module is checked for its activation and, for experts, its implementation."""
+    attr, _, act_attr = _MLP_PATCHES[layout]
+    current = getattr(owner, attr, None)
+    if layout == "experts" and not (_is_patched(current) or
+                                    getattr(current, "__name__", None) == "_default_apply_gate"):
+        return "its _apply_gate is not transformers' default act_fn(gate) * up"
+    if not instance:
+        return None
+    act = getattr(owner, act_attr, None)
+    if _glu_activation(act) is None:
+        return f"its activation {type(act).__name__} is none of llmkernels.glu's {GLU_ACTIVATIONS}"
+    implementation = getattr(getattr(owner, "config", None), "_experts_implementation", None)
+    if layout == "experts" and implementation not in _APPLY_GATE_IMPLEMENTATIONS:
+        return (f"experts_implementation={implementation!r} does not call _apply_gate "
+                f"({', '.join(_APPLY_GATE_IMPLEMENTATIONS)} do)")
     return None
 
 
@@ -330,14 +425,15 @@ def _text_model_type(config) -> Optional[str]:
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, rope: bool = True,
-          cross_entropy: bool = True) -> PatchReport:
+          cross_entropy: bool = True, mlp: bool = True) -> PatchReport:
     """Patch a Hugging Face transformers model in place to use the llmkernels kernels.
 
     Args:
-        model: a transformers ``PreTrainedModel`` (any head). Norm modules are recognised by
-            class (the RMSNorm classes of the supported families, ``torch.nn.LayerNorm``) in
-            any model, also one of an unsupported type; RoPE and the loss need a known type.
-        rms_norm, layer_norm, rope, cross_entropy: switch each replacement off with False.
+        model: a transformers ``PreTrainedModel`` (any head). Norm and gated-MLP modules are
+            recognised by class (the RMSNorm and MLP classes of the supported families,
+            ``torch.nn.LayerNorm``) in any model, also one of an unsupported type; RoPE and the
+            loss need a known type.
+        rms_norm, layer_norm, rope, cross_entropy, mlp: switch each replacement off with False.
 
     Returns:
         A ``PatchReport``; ``print(report)`` lists what was and was not patched. For a model
@@ -371,6 +467,19 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
             if not _is_patched(module.forward):
                 module.forward = types.MethodType(_layer_norm_forward, module)
             key = "torch.nn.LayerNorm -> llmkernels.layer_norm"
+        elif name in _MLP_LAYOUT and cls.__module__.startswith("transformers."):
+            if not mlp:
+                report.not_patched[name] = "mlp=False"
+                continue
+            layout = _MLP_LAYOUT[name]
+            why = _mlp_not_patchable(module, layout, instance=True)
+            if why is not None:
+                report.not_patched[name] = why
+                continue
+            attr, replacement, act_attr = _MLP_PATCHES[layout]
+            if not _is_patched(getattr(module, attr)):
+                setattr(module, attr, types.MethodType(replacement, module))
+            key = f"{name}.{attr} -> llmkernels.glu(activation={_glu_activation(getattr(module, act_attr))!r})"
         else:
             if name.endswith(("RMSNorm", "LayerNorm", "GroupNorm")) and not _is_patched(module.forward):
                 unknown_norms.add(name)
@@ -379,6 +488,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
     report.patched += [f"{key} ({n} modules)" for key, n in counts.items()]
     for name in sorted(unknown_norms):
         report.not_patched[name] = "norm class whose exact numerics llmkernels does not know"
+    if mlp and family is not None and not family.mlps:
+        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
 
     if family is None:
         why = f"model type {model_type!r} is not one of {', '.join(supported_model_types())}"
@@ -409,11 +520,13 @@ def _patch_layer_norms_after_init(original: Callable) -> Callable:
 
 
 def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_norm: bool = True,
-                     rope: bool = True, cross_entropy: bool = True) -> PatchReport:
+                     rope: bool = True, cross_entropy: bool = True, mlp: bool = True) -> PatchReport:
     """Patch a model type's transformers classes so that models built afterwards use the kernels.
 
     Call before ``from_pretrained`` / ``from_config`` / the constructor. Replaces the family's
-    RMSNorm ``forward``, its ``apply_rotary_pos_emb`` and its ``*ForCausalLM.forward`` (loss);
+    RMSNorm ``forward``, its gated MLP's ``forward`` (experts: ``_apply_gate``; each model
+    whose activation ``llmkernels.glu`` does not compute keeps transformers' product), its
+    ``apply_rotary_pos_emb`` and its ``*ForCausalLM.forward`` (loss);
     for ``torch.nn.LayerNorm`` (GPT-NeoX), which is not the family's own class, the family's
     ``post_init`` patches each new model's LayerNorm modules. ``unpatch_all()`` undoes this.
 
@@ -443,6 +556,19 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
             if not _is_patched(base.post_init):
                 _replace(base, "post_init", _patch_layer_norms_after_init(base.post_init))
             report.patched.append(f"torch.nn.LayerNorm in {base.__name__} models -> llmkernels.layer_norm")
+    for name, layout in family.mlps.items():
+        cls = getattr(module, name, None)
+        why = "mlp=False" if not mlp else (f"{module.__name__} has no {name}" if cls is None
+                                            else _mlp_not_patchable(cls, layout, instance=False))
+        if why is not None:
+            report.not_patched[name] = why
+            continue
+        attr, replacement, _ = _MLP_PATCHES[layout]
+        if not _is_patched(getattr(cls, attr)):
+            _replace(cls, attr, replacement)
+        report.patched.append(f"{name}.{attr} -> llmkernels.glu (models whose activation it computes)")
+    if mlp and not family.mlps:
+        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
     not_causal_lm = None if family.causal_lm else f"no causal LM loss is patched for model type {model_type!r}"
     why = _patch_rope_and_loss_reason(family, report, rope, cross_entropy, not_causal_lm)
     if why:

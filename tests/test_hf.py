@@ -39,6 +39,15 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", {}),
     "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None, rotary_pct=0.25)),
 }
+# model_type -> (gated-MLP class whose product llmkernels.glu computes, activation). Mixtral and
+# Qwen 3 MoE: 3-D expert weights, through _apply_gate (grouped_mm experts, transformers' default).
+# GPT-NeoX's MLP is not gated.
+MLPS = {
+    "llama": ("LlamaMLP", "silu"), "mistral": ("MistralMLP", "silu"), "mixtral": ("MixtralExperts", "silu"),
+    "qwen2": ("Qwen2MLP", "silu"), "qwen3": ("Qwen3MLP", "silu"), "qwen3_moe": ("Qwen3MoeExperts", "silu"),
+    "gemma": ("GemmaMLP", "gelu_tanh"), "gemma2": ("Gemma2MLP", "gelu_tanh"),
+    "gemma3_text": ("Gemma3MLP", "gelu_tanh"), "phi3": ("Phi3MLP", "silu"), "olmo2": ("Olmo2MLP", "silu"),
+}
 
 
 def make_model(model_type: str, dtype=torch.float32):
@@ -101,6 +110,12 @@ def test_patched_model_trains_like_unpatched(model_type):
     report = llmkernels.patch(patched)
     for part in ("rope", "loss"):
         assert part not in report.not_patched, str(report)
+    if model_type in MLPS:
+        mlp_cls, activation = MLPS[model_type]
+        assert any(p.startswith(f"{mlp_cls}.") and f"llmkernels.glu(activation={activation!r})" in p
+                   for p in report.patched), str(report)
+    else:
+        assert "no gated MLP" in report.not_patched["mlp"]
     losses, (loss, logits, grads) = train(patched, 5)
 
     assert rel_err(logits, ref_logits) < 1e-5, f"logits rel err {rel_err(logits, ref_logits):.2e}"
@@ -126,10 +141,11 @@ def test_norm_patch_keeps_parameters_and_state_dict():
 
 def test_switches_leave_the_model_alone():
     model = make_model("llama")
-    report = llmkernels.patch(model, rms_norm=False, layer_norm=False, rope=False, cross_entropy=False)
+    report = llmkernels.patch(model, rms_norm=False, layer_norm=False, rope=False, cross_entropy=False, mlp=False)
     assert report.patched == []
-    assert set(report.not_patched) == {"LlamaRMSNorm", "rope", "loss"}
+    assert set(report.not_patched) == {"LlamaRMSNorm", "LlamaMLP", "rope", "loss"}
     assert "forward" not in vars(model) and "forward" not in vars(model.model.norm)
+    assert "forward" not in vars(model.model.layers[0].mlp)
     module = __import__(type(model).__module__, fromlist=["x"])
     assert not hf._is_patched(module.apply_rotary_pos_emb)
 
@@ -163,13 +179,42 @@ def test_patch_model_type_before_from_pretrained(tmp_path):
 
     report = llmkernels.patch_model_type("llama")
     assert "LlamaRMSNorm.forward -> llmkernels.rms_norm(casting='llama')" in report.patched
+    assert any(p.startswith("LlamaMLP.forward -> llmkernels.glu") for p in report.patched)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").to(DEVICE).eval()
     assert hf._is_patched(loaded.model.norm.forward)
+    assert hf._is_patched(loaded.model.layers[0].mlp.forward)
     with torch.no_grad():
         out = loaded(input_ids=ids).logits
     assert rel_err(out, ref) < 1e-5
     hf.unpatch_all()
     assert not hf._is_patched(type(loaded.model.norm).forward)
+    assert not hf._is_patched(type(loaded.model.layers[0].mlp).forward)
+
+
+def test_mlp_whose_activation_glu_lacks_keeps_transformers_product():
+    """hidden_act="relu": patch() leaves the MLP and says why; after patch_model_type the
+    class-level forward computes transformers' act_fn(gate) * up for it."""
+    config = transformers.LlamaConfig(**COMMON, hidden_act="relu")
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+    report = llmkernels.patch(model, rms_norm=False, rope=False, cross_entropy=False)
+    assert "ReLU" in report.not_patched["LlamaMLP"], str(report)
+    mlp = model.model.layers[0].mlp
+    assert "forward" not in vars(mlp)
+    llmkernels.patch_model_type("llama", rms_norm=False, rope=False, cross_entropy=False)
+    assert hf._is_patched(mlp.forward)
+    x = torch.randn(2, 3, COMMON["hidden_size"], device=DEVICE)
+    assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+
+def test_eager_experts_are_reported_not_patched():
+    """transformers' eager experts loop computes act_fn(gate) * up inline, without _apply_gate."""
+    model = make_model("mixtral")
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations")
+    model.set_experts_implementation("eager")
+    report = llmkernels.patch(model, rope=False, cross_entropy=False)
+    assert "experts_implementation='eager'" in report.not_patched["MixtralExperts"], str(report)
+    assert "_apply_gate" not in vars(model.model.layers[0].mlp.experts)
 
 
 def test_patch_model_type_gpt_neox_layer_norms():

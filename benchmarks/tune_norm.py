@@ -21,7 +21,7 @@ import triton
 from triton.testing import do_bench
 
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops import norm as N_
+from llmkernels.ops import _common, norm as N_
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -127,16 +127,16 @@ def main():
         # (columns per program, num_warps, programs per SM); None = the blocked loops
         widths = [int(v) for v in args.split_widths.split(",")]
         cands = [None] + [(c, nw, skew) for c, nw, skew in itertools.product(widths, [8, 16], [False, True])]
-        saved = N_._split_config, N_.ROW_SPLIT
+        saved = N_._split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
-            N_.ROW_SPLIT = cfg is not None
+            _common.ROW_SPLIT = cfg is not None
             N_._split_config = (lambda is_rms, elem_size, cfg=cfg: cfg) if cfg else saved[0]
             rec = time_case(n, DTYPES[dname], args.op == "rms", False, "bwd", records, ceiling, "split", cfg)
             if rec:
                 print(f"{args.op} bwd {dname} n={n:6d} {str(cfg):22s} {rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})",
                       flush=True)
             torch.cuda.empty_cache()
-        N_._split_config, N_.ROW_SPLIT = saved
+        N_._split_config, _common.ROW_SPLIT = saved
     else:
         print(f"{'op':10s} {'dtype':5s} {'N':>7s}  fwd GB/s (%copy)   bwd GB/s (%copy)")
         for (op, is_rms, residual), (dname, dtype), n in itertools.product(

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.ops import norm as norm_ops
+from llmkernels.ops import _common, norm as norm_ops
 from tests.conftest import INTERPRETED
 from llmkernels.bench.runner import poisoned
 from tests.helpers import REL_TOL, assert_close
@@ -156,7 +156,7 @@ def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
     programs (on a GPU; the interpreter cannot run programs that wait for each other) or blocked."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
-    monkeypatch.setattr(norm_ops, "ROW_SPLIT", split)
+    monkeypatch.setattr(_common, "ROW_SPLIT", split)
     n = 70001
     assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
@@ -179,7 +179,7 @@ def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
     n = 100
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_split_config", lambda is_rms, elem_size: (128 // parts, 4, skew))
-    assert norm_ops._split_grid(n, 300, 1, 128 // parts, torch.device(device))[0] == parts
+    assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),
@@ -190,7 +190,7 @@ def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_blocked_path_forced(is_rms, device, monkeypatch):
     """The blocked kernels at a small width (limits lowered), with several rows per head."""
-    monkeypatch.setattr(norm_ops, "ROW_SPLIT", False)
+    monkeypatch.setattr(_common, "ROW_SPLIT", False)
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False, 1))

@@ -116,6 +116,22 @@ def launch(kernel, grid: tuple, *args, num_warps: int, **constexprs) -> None:
 # and no release/acquire fence: a fence would wait for every store the program has in flight
 # (the previous row's output), which measured ~1 us a row on H100. Every program of the grid
 # must be resident at once: a grid of at most one program per multiprocessor guarantees it.
+ROW_SPLIT = os.environ.get("LLMKERNELS_ROW_SPLIT", "1") != "0"
+
+
+def split_grid(n: int, m: int, block_n: int, device: torch.device):
+    """``(parts, groups)`` for ``m`` rows of ``n`` split over ``parts`` programs of ``block_n``
+    columns, ``groups`` rows in flight, one program per multiprocessor. None where a split
+    cannot run: LLMKERNELS_ROW_SPLIT=0, more parts than multiprocessors, or several parts under
+    the interpreter (which runs programs one after another: one waiting for a sibling would
+    never return)."""
+    parts = cdiv(n, block_n)
+    resident = persistent_programs(device, 1)
+    if not ROW_SPLIT or parts > resident or (INTERPRET and parts > 1):
+        return None
+    return parts, max(1, min(m, resident // parts))
+
+
 @triton.jit
 def publish(SLOT, value):
     bits = value.to(tl.float32).to(tl.uint32, bitcast=True).to(tl.int64)
@@ -124,8 +140,8 @@ def publish(SLOT, value):
 
 @triton.jit
 def collect(SLOTS, mask):
-    """fp32 values of the slots ``SLOTS`` (a block of pointers) where ``mask``, else 0."""
+    """fp32 values of the slots ``SLOTS`` (a block of pointers, any shape) where ``mask``, else 0."""
     slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
-    while tl.min(slots >> 32, axis=0) == 0:
+    while tl.min(tl.ravel(slots >> 32), axis=0) == 0:
         slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
     return (slots & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)

@@ -19,7 +19,6 @@ fp32 registers, and writes one ``[programs, N]`` partial that a small sum reduce
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -27,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish,
-                      use_kernels)
+from ._common import (as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish,
+                      split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -40,7 +39,8 @@ BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_p
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
 # program of the grid is resident at once, which the exchange needs:
 # (RMSNorm?, bytes per element) -> (columns per program, num_warps, skewed exchange).
-# LLMKERNELS_ROW_SPLIT=0 turns the split off (the blocked loops then take every wide row).
+# LLMKERNELS_ROW_SPLIT=0 turns the split off (``_common.split_grid``; the blocked loops then
+# take every wide row).
 # H100 sweeps (benchmarks/results/tune-norm-h100-2026-11-22/, split_*): see the README there.
 # Split forwards measured below the blocked forward (65-81% vs 81-87%) and were dropped.
 BWD_SPLIT = {
@@ -49,7 +49,6 @@ BWD_SPLIT = {
     (False, 2): (8192, 8, False),
     (False, 4): (4096, 16, True),
 }
-ROW_SPLIT = os.environ.get("LLMKERNELS_ROW_SPLIT", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,21 +436,6 @@ def _split_config(is_rms: bool, elem_size: int):
     return BWD_SPLIT[is_rms, min(elem_size, 4)]
 
 
-def _split_grid(n: int, m: int, heads: int, block_n: int, device: torch.device):
-    """``(parts, groups)`` for rows of ``n`` split over ``parts`` programs of ``block_n``
-    columns, ``groups`` rows in flight; None where the split does not apply: per-head
-    weights, more parts than can be resident at once, or several parts under the interpreter
-    (which runs programs one after another, so a program waiting for its siblings would never
-    return)."""
-    if not ROW_SPLIT or heads > 1:
-        return None
-    parts = cdiv(n, block_n)
-    resident = persistent_programs(device, 1)
-    if parts > resident or (INTERPRET and parts > 1):
-        return None
-    return parts, max(1, min(m, resident // parts))
-
-
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
@@ -500,7 +484,7 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
     split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
-    split = None if one_pass else _split_grid(n, m, heads, split_cols, dev)
+    split = None if one_pass or heads > 1 else split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     rows_per_head = m // heads
     if split is not None:

@@ -323,9 +323,8 @@ def _norm_bwd_split_kernel(
     a row ahead: the iteration that writes row r's dx publishes row r + 1's parts (loaded an
     iteration earlier) and loads row r + 2, so the parts collected for row r were published an
     iteration ago and a program seldom waits, at the price of a third row slice in registers.
-    (Rows past the last publish zeros into the spare slots.) A program
-    accumulates dW/dB for its columns over its group's rows and writes one row of
-    ``DW_PART [groups, N]``.
+    (Rows past the last publish zeros into the spare slots.) A program accumulates dW/dB for
+    its columns over its group's rows and writes one row of ``DW_PART [groups, N]``.
     Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ...
     """
     part = tl.program_id(0) % PARTS
@@ -433,7 +432,7 @@ def _bwd_config(n: int, m: int, is_rms: bool = True):
 
 def _split_config(is_rms: bool, elem_size: int):
     """(columns per program, num_warps, skew) of the split backward."""
-    return BWD_SPLIT[is_rms, min(elem_size, 4)]
+    return BWD_SPLIT[is_rms, elem_size]
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,8 +482,10 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
-    split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
-    split = None if one_pass or heads > 1 else split_grid(n, m, split_cols, dev)
+    split = None
+    if not one_pass and heads == 1:
+        split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
+        split = split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     rows_per_head = m // heads
     if split is not None:

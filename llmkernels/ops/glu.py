@@ -127,7 +127,6 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Ten
     """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed) as a new contiguous
     ``[M, N]`` tensor of gate's dtype."""
     m, n = gate.shape
-    gate, up = as_rows(gate, n), as_rows(up, n)
     y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if y.numel():
         grid, config = _grid(m, n)
@@ -140,7 +139,7 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
     """``(d_gate, d_up)``, new contiguous ``[M, N]`` tensors of gate's dtype, from ``dy, gate,
     up [M, N]`` (row strides allowed)."""
     m, n = gate.shape
-    dy, gate, up = as_rows(dy, n), as_rows(gate, n), as_rows(up, n)
+    dy = as_rows(dy, n)  # the upstream gradient may come with any strides
     d_gate = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     d_up = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if d_gate.numel():

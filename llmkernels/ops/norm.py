@@ -103,12 +103,21 @@ def _norm_fwd_kernel(
                 x = h.to(tl.float32)
             if IS_RMS:
                 mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-                xc = x
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
             else:
-                mean = tl.sum(x, axis=1) / N
-                xc = tl.where(mask, x - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-            y = _scale_shift(xc * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
+                # Sum and sum of squares side by side (two independent reductions, not the mean
+                # then the centred squares in sequence), shifted by the row's first element as in
+                # the blocked loop so that the variance does not cancel when |mean| >> std.
+                shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    shift = (shift + tl.load(RES + rows64 * stride_res, mask=row_mask, other=0.0).to(tl.float32)
+                             ).to(in_ty).to(tl.float32)
+                xs = tl.where(mask, x - shift[:, None], 0.0)
+                mean_shifted = tl.sum(xs, axis=1) / N
+                mean = shift + mean_shifted
+                rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(xs * xs, axis=1) / N - mean_shifted * mean_shifted, 0.0) + eps)
+                x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
+            y = _scale_shift(x * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
                              HAS_W, HAS_B, QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         else:
@@ -134,11 +143,11 @@ def _norm_fwd_kernel(
                 xs = tl.where(mask, x - shift[:, None], 0.0)
                 acc_sum += xs
                 acc_sq += xs * xs
-            mean_shifted = tl.sum(acc_sum, axis=1) / N
             if IS_RMS:
                 mean = tl.zeros([BLOCK_M], dtype=tl.float32)
                 var = tl.sum(acc_sq, axis=1) / N
             else:
+                mean_shifted = tl.sum(acc_sum, axis=1) / N
                 mean = shift + mean_shifted
                 var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
             rstd = 1.0 / tl.sqrt(var + eps)
@@ -392,20 +401,23 @@ def _fwd_config(n: int, m: int, is_rms: bool = True):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the forward of M rows of
     N elements; programs per SM 0 = one program per tile (no persistent loop).
 
-    H100 sweep (benchmarks/tune_norm.py, bf16, 256 MiB): RMSNorm wants tiles of ~8192
-    elements with 16 warps for N <= 4096 (98-99% of copy); LayerNorm, with two cross-warp
-    reductions, wants ~4096-element tiles with 4-8 warps. One row per program up to 32768;
-    wider rows loop over 16384-element chunks with 32 warps (a persistent grid measured no
-    better).
+    H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
+    up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
+    thread, 98-99% of copy (16 warps on the same tiles: 72-88%). One row per program up to
+    32768: about 64 elements a thread for RMSNorm; LayerNorm 4 warps (two programs an SM) up to
+    16384 (97-99%; 8 or 16 warps: 73-78%), 32 warps at 32768 (96%). Wider rows loop over
+    16384-element chunks with 32 warps (a persistent grid measured no better).
     """
     if n > FWD_ONE_PASS_MAX:
         return FWD_BLOCKED
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
-        tile, per_warp = (8192, 512) if is_rms else (4096, 512)
+        tile = 8192 if is_rms else 4096
         block_m = min(max(1, tile // block_n), next_pow2(m))
-        return block_m, block_n, min(16, max(4, block_m * block_n // per_warp)), True, 0
-    return 1, block_n, min(16, max(4, block_n // (2048 if is_rms else 4096))), True, 0
+        return block_m, block_n, max(4, block_m * block_n // 1024), True, 0
+    if is_rms:
+        return 1, block_n, max(4, block_n // 2048), True, 0
+    return 1, block_n, 32 if block_n == 32768 else 4, True, 0
 
 
 # block_n -> (tile elements, num_warps, programs per SM) of the one-pass backward (H100 sweep).

@@ -108,6 +108,23 @@ def test_matches_torch(reduction, device):
     assert_close(a.grad, b.grad, torch.float32, "dlogits")
 
 
+@pytest.mark.parametrize("opts", ["plain", "all"])
+def test_forward_split_over_programs(opts, device, monkeypatch):
+    """Few rows of a wide vocabulary: the forward alone splits each row over programs (partial
+    statistics, then a combine pass). Narrow spans give a row 20 parts, the last one partly
+    masked; the separate backward then uses the combined lse."""
+    monkeypatch.setattr(ce_ops, "CHUNK", 1024)
+    assert ce_ops._split_parts(20000, 3) == 20
+    logits, target = make_case(3, 20000, torch.bfloat16, device, ignored=(0,))
+    kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
+    for reduction in ("mean", "none"):
+        check_ce(logits, target, reduction=reduction, **kwargs)
+    bad = target.clone()
+    bad[2] = 20000
+    with pytest.raises(ValueError, match=r"target\[2\] = 20000 is outside"):
+        lk.cross_entropy(logits, bad)
+
+
 def test_forward_only_and_default_output(device):
     logits, target = make_case(17, 4099, torch.bfloat16, device)
     loss = lk.cross_entropy(logits, target)
@@ -193,10 +210,12 @@ def test_bad_target(device):
     for bad in (1000, -5):
         t = target.clone()
         t[4] = bad
+        t[7] = 5000  # the first out-of-range row is the one named
         with pytest.raises(ValueError, match=rf"target\[4\] = {bad} is outside \[0, 1000\)"):
             lk.cross_entropy(logits, t)
         rows = lk.cross_entropy(logits, t, reduction="none", check_targets=False)
-        assert torch.isnan(rows[4]) and torch.isfinite(rows[torch.arange(9, device=device) != 4]).all()
+        good = (torch.arange(9, device=device) != 4) & (torch.arange(9, device=device) != 7)
+        assert torch.isnan(rows[4]) and torch.isnan(rows[7]) and torch.isfinite(rows[good]).all()
     with pytest.raises(ValueError, match="outside"):
         lk.linear_cross_entropy(torch.randn(3, 8, device=device), torch.randn(10, 8, device=device),
                                 torch.tensor([0, 10, 2], device=device))

@@ -47,8 +47,13 @@ CHUNK_ROWS = 1        # rows per program in the online loop
 CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/128256/262144 (was
                       # 8192 x 16: 0.82/0.94/0.94); benchmarks/results/cross_entropy-forward-*.txt
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
-PER_SM_GRAD = 4       # ... of the passes that write a gradient (bounds the rows kept in L2)
+PER_SM_GRAD = 4       # ... of the in-place pass, forward and gradient (bounds the rows kept in L2)
+BWD_WARPS = 16        # the separate backward: 16384 x 16 warps, 2 programs per SM: 0.91 x copy at
+PER_SM_BWD = 2        # 256 MiB (8 warps, 4 per SM: 0.74); benchmarks/results/ce-bwd-sweep-*
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
+
+SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this
+                      # (few rows: the last wave of 250 KB rows left SMs idle; see _split_parts)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -87,17 +92,62 @@ def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: t
 
 
 @triton.jit
+def _online_lse(x_row, row_mask, col_start, span, col_end, softcap, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
+    """Online logsumexp of columns [col_start, min(col_start + span, col_end)) of BLOCK_M rows
+    (``x_row``: [BLOCK_M, 1] row pointers): the running max m, the sum s of exp(z - m),
+    rescaled as m grows, and the sum of z (label smoothing)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    z_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for offset in range(0, span, BLOCK_V):
+        cols = col_start + offset + tl.arange(0, BLOCK_V)
+        mask = row_mask[:, None] & (cols < col_end)[None, :]
+        x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+        z = _softcapped(x, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = tl.where(mask, z, float("-inf"))
+        if HAS_SMOOTHING:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
+        m = m_new
+    return m, s, z_sum
+
+
+@triton.jit
+def _row_loss(X, rows64, stride_x, t, row_mask, lse, z_sum, V, ignore_index, smoothing, z_coef, softcap,
+              HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Per-row loss (0 for ignored rows, NaN for out-of-range targets, which are not read) and
+    its z-loss part, from the row's lse (and sum of z)."""
+    valid = row_mask & (t != ignore_index)
+    in_range = (t >= 0) & (t < V)
+    x_t = tl.load(X + rows64 * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
+    z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+    if HAS_SMOOTHING:
+        loss = lse - (1.0 - smoothing) * z_t - (smoothing / V) * z_sum
+    else:
+        loss = lse - z_t
+    z_part = tl.zeros_like(lse)
+    if HAS_Z:
+        z_part = tl.where(valid, z_coef * lse * lse, 0.0)
+        loss += z_part
+    return tl.where(valid & ~in_range, float("nan"), tl.where(valid, loss, 0.0)), z_part
+
+
+@triton.jit
 def _ce_kernel(
-    X, T, LOSS, ZLOSS, LSE, DX, G, COUNT, ERR,
+    X, T, LOSS, ZLOSS, LSE, DX, G, COUNT,
     M, V, stride_x, stride_dx, stride_g, ignore_index,
     smoothing, z_coef, softcap,
     FORWARD: tl.constexpr, GRAD: tl.constexpr, HAS_G: tl.constexpr, MEAN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, STORE_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PASS1_EVICT: tl.constexpr, PASS2_EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    """FORWARD: per-row loss (LOSS, ZLOSS), LSE, and ERR = 1 + a row whose target is out of
-    range. GRAD: DX = d loss / d logits times the row's scale (G, 1 / COUNT for ``mean``);
-    without FORWARD the statistics come from LSE (the separate backward).
+    """FORWARD: per-row loss (LOSS, ZLOSS; NaN where the target is out of range) and LSE.
+    GRAD: DX = d loss / d logits times the row's scale (G, 1 / COUNT for ``mean``); without
+    FORWARD the statistics come from LSE (the separate backward).
     A persistent loop: program p handles row tiles p, p + programs, ..."""
     if MEAN:
         count_scale = 1.0 / tl.load(COUNT).to(tl.float32)
@@ -109,7 +159,6 @@ def _ce_kernel(
         rows64 = rows.to(tl.int64)
         t = tl.load(T + rows, mask=row_mask, other=ignore_index).to(tl.int64)
         valid = row_mask & (t != ignore_index)
-        in_range = (t >= 0) & (t < V)
         bad = valid & ((t < 0) | (t >= V))
         x_row = X + rows64[:, None] * stride_x
 
@@ -125,46 +174,22 @@ def _ce_kernel(
             lse = m_ref + tl.log(tl.sum(tl.exp(z - m_ref[:, None]), axis=1))
             if HAS_SMOOTHING:
                 z_sum = tl.sum(tl.where(mask, z, 0.0), axis=1)
+            else:
+                z_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         elif FORWARD:
-            # Online logsumexp: running max m and sum s of exp(z - m), rescaled as m grows.
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            s = tl.zeros([BLOCK_M], dtype=tl.float32)
-            z_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, V, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                mask = row_mask[:, None] & (cols < V)[None, :]
-                x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf"),
-                            eviction_policy=PASS1_EVICT).to(tl.float32)
-                z = _softcapped(x, softcap, HAS_SOFTCAP)
-                if HAS_SOFTCAP:
-                    z = tl.where(mask, z, float("-inf"))
-                if HAS_SMOOTHING:
-                    z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-                m_new = tl.maximum(m, tl.max(z, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-                m = m_new
+            m, s, z_sum = _online_lse(x_row, row_mask, 0, V, V, softcap, BLOCK_M, BLOCK_V, HAS_SMOOTHING, HAS_SOFTCAP,
+                                      PASS1_EVICT)
             lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
         else:
             lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
 
         if FORWARD:
-            t_safe = tl.where(in_range, t, 0)
-            x_t = tl.load(X + rows64 * stride_x + t_safe, mask=valid & in_range, other=0.0)
-            z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
-            if HAS_SMOOTHING:
-                loss = lse - (1.0 - smoothing) * z_t - (smoothing / V) * z_sum
-            else:
-                loss = lse - z_t
-            if HAS_Z:
-                z_part = z_coef * lse * lse
-                loss += z_part
-                if STORE_Z:
-                    tl.store(ZLOSS + rows, tl.where(valid, z_part, 0.0), mask=row_mask)
-            loss = tl.where(bad, float("nan"), tl.where(valid, loss, 0.0))
+            loss, z_part = _row_loss(X, rows64, stride_x, t, row_mask, lse, z_sum, V, ignore_index, smoothing, z_coef,
+                                     softcap, HAS_SMOOTHING, HAS_Z, HAS_SOFTCAP)
+            if STORE_Z:
+                tl.store(ZLOSS + rows, z_part, mask=row_mask)
             tl.store(LOSS + rows, loss, mask=row_mask)
             tl.store(LSE + rows, lse, mask=row_mask)
-            tl.store(ERR + tl.zeros([BLOCK_M], dtype=tl.int32), rows64 + 1, mask=bad)
 
         if GRAD:
             scale = tl.full([BLOCK_M], 1.0, tl.float32) * count_scale
@@ -197,6 +222,54 @@ def _ce_kernel(
 
 
 @triton.jit
+def _ce_partial_kernel(X, PART, M, V, stride_x, softcap, PARTS: tl.constexpr, SPAN: tl.constexpr,
+                       HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Split forward, step 1 (rows too few to fill the GPU): program (row, part) reduces columns
+    [part * SPAN, (part + 1) * SPAN) of its row to its online-logsumexp partials, stored in
+    PART [3, M, PARTS] fp32: max, sum of exp(z - max), sum of z. No program waits for another."""
+    row = tl.program_id(0) // PARTS
+    part = tl.program_id(0) % PARTS
+    rows = row + tl.arange(0, 1)
+    row_mask = rows < M
+    x_row = X + rows.to(tl.int64)[:, None] * stride_x
+    m, s, z_sum = _online_lse(x_row, row_mask, part * SPAN, SPAN, V, softcap, 1, BLOCK_V, HAS_SMOOTHING, HAS_SOFTCAP,
+                              "evict_first")
+    slot = rows * PARTS + part
+    tl.store(PART + slot, m, mask=row_mask)
+    tl.store(PART + M * PARTS + slot, s, mask=row_mask)
+    if HAS_SMOOTHING:
+        tl.store(PART + 2 * M * PARTS + slot, z_sum, mask=row_mask)
+
+
+@triton.jit
+def _ce_combine_kernel(X, T, PART, LOSS, ZLOSS, LSE, M, V, stride_x, ignore_index, smoothing, z_coef, softcap,
+                       PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                       HAS_Z: tl.constexpr, STORE_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Split forward, step 2: each row's lse from its PARTS partials, then its loss (LOSS,
+    ZLOSS) and LSE, as the one-pass forward writes them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < M
+    parts = tl.arange(0, PARTS_POW2)
+    mask = row_mask[:, None] & (parts < PARTS)[None, :]
+    slots = rows[:, None] * PARTS + parts[None, :]
+    m_part = tl.load(PART + slots, mask=mask, other=float("-inf"))
+    m = tl.max(m_part, axis=1)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.load(PART + M * PARTS + slots, mask=mask, other=0.0) * tl.exp(m_part - m_ref[:, None]), axis=1)
+    lse = m_ref + tl.log(s)
+    z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if HAS_SMOOTHING:
+        z_sum = tl.sum(tl.load(PART + 2 * M * PARTS + slots, mask=mask, other=0.0), axis=1)
+    t = tl.load(T + rows, mask=row_mask, other=ignore_index).to(tl.int64)
+    loss, z_part = _row_loss(X, rows.to(tl.int64), stride_x, t, row_mask, lse, z_sum, V, ignore_index, smoothing,
+                             z_coef, softcap, HAS_SMOOTHING, HAS_Z, HAS_SOFTCAP)
+    if STORE_Z:
+        tl.store(ZLOSS + rows, z_part, mask=row_mask)
+    tl.store(LOSS + rows, loss, mask=row_mask)
+    tl.store(LSE + rows, lse, mask=row_mask)
+
+
+@triton.jit
 def _scale_rows_kernel(DX, G, M, N, stride_dx, stride_g, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """DX[r, :] *= G[r * stride_g] in place (stride_g = 0: one scalar), leaving tiles of rows
     whose factors are all exactly 1 untouched: ``loss.backward()`` costs no pass over DX."""
@@ -214,22 +287,89 @@ def _scale_rows_kernel(DX, G, M, N, stride_dx, stride_g, BLOCK_R: tl.constexpr, 
                 tl.store(ptrs, (d * g[:, None]).to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _check_targets_kernel(T, ERR, M, V, ignore_index, BLOCK: tl.constexpr):
+    """One program: ERR = 1 + the first row whose target is outside [0, V) and not
+    ignore_index, or 0."""
+    first_bad = tl.full([BLOCK], M, tl.int32)
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        t = tl.load(T + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+        first_bad = tl.minimum(first_bad, tl.where((t != ignore_index) & ((t < 0) | (t >= V)), rows, M))
+    bad_row = tl.min(first_bad, axis=0)
+    tl.store(ERR, tl.where(bad_row < M, bad_row + 1, 0).to(tl.int64))
+
+
+@triton.jit
+def _finish_kernel(LOSS_ROWS, Z_ROWS, T, COUNT, OUT, OUT_Z, M, ignore_index,
+                   REDUCE: tl.constexpr, MEAN: tl.constexpr, HAS_Z: tl.constexpr, COUNT_GIVEN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One program over the per-row results of the forward: OUT (and OUT_Z) = their sum or mean
+    (REDUCE) or the rows themselves, in OUT's dtype; for the mean, COUNT = the rows not ignored
+    unless COUNT_GIVEN. Sums in fp32 in a fixed order (deterministic)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_z = tl.zeros([BLOCK], dtype=tl.float32)
+    valid_rows = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        mask = rows < M
+        loss = tl.load(LOSS_ROWS + rows, mask=mask, other=0.0)
+        if HAS_Z:
+            z = tl.load(Z_ROWS + rows, mask=mask, other=0.0)
+        if REDUCE:
+            acc += loss
+            if HAS_Z:
+                acc_z += z
+            if MEAN and not COUNT_GIVEN:
+                t = tl.load(T + rows, mask=mask, other=ignore_index)
+                valid_rows += (mask & (t != ignore_index)).to(tl.int32)
+        else:
+            tl.store(OUT + rows, loss.to(OUT.dtype.element_ty), mask=mask)
+            if HAS_Z:
+                tl.store(OUT_Z + rows, z.to(OUT_Z.dtype.element_ty), mask=mask)
+    if REDUCE:
+        total = tl.sum(acc, axis=0)
+        total_z = tl.sum(acc_z, axis=0)
+        if MEAN:
+            if COUNT_GIVEN:
+                count = tl.load(COUNT).to(tl.float32)
+            else:
+                n_valid = tl.sum(valid_rows, axis=0)
+                tl.store(COUNT, n_valid.to(tl.int64))
+                count = n_valid.to(tl.float32)
+            total = total / count
+            total_z = total_z / count
+        tl.store(OUT, total.to(OUT.dtype.element_ty))
+        if HAS_Z:
+            tl.store(OUT_Z, total_z.to(OUT_Z.dtype.element_ty))
+
+
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launchers
 # --------------------------------------------------------------------------------------------
-def _config(v: int, m: int):
-    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes."""
+def _config(v: int, m: int, backward: bool = False):
+    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes (``backward``: of the
+    separate backward)."""
     if v > ONE_BLOCK_MAX:
-        return CHUNK_ROWS, CHUNK, CHUNK_WARPS, False
+        return CHUNK_ROWS, CHUNK, BWD_WARPS if backward else CHUNK_WARPS, False
     block_v = max(16, next_pow2(v))
     block_m = min(max(1, 4096 // block_v), next_pow2(max(m, 1)))
     num_warps = min(32, max(4, block_m * block_v // 512))
     return block_m, block_v, num_warps, True
 
 
-def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, count=None, err=None,
+def _split_parts(v: int, m: int) -> int:
+    """Programs per row of the forward alone: 1, or as many CHUNK-wide column spans as keep
+    rows x parts <= SPLIT_ITEMS (a few hundred rows of a 128K vocabulary are under four waves
+    of programs on an H100, and the last wave leaves SMs idle)."""
+    if v <= ONE_BLOCK_MAX:
+        return 1
+    return max(1, min(cdiv(v, CHUNK), SPLIT_ITEMS // max(m, 1)))
+
+
+def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, count=None,
             ignore_index: int, smoothing: float, z_coef: float, softcap: Optional[float]):
-    """Run ``_ce_kernel`` on ``logits [M, V]``. With ``loss`` (and ``err``): the forward, writing
+    """Run ``_ce_kernel`` on ``logits [M, V]``. With ``loss``: the forward, writing
     ``loss``, ``z_rows`` (optional), ``lse``. With ``dx``: the gradient scaled by ``g`` (a 0-d
     or ``[M]`` tensor, optional) and by ``1 / count`` when ``count`` is given; without ``loss``
     it uses the ``lse`` of an earlier forward."""
@@ -237,14 +377,27 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
     if m == 0:
         return
     forward, grad = loss is not None, dx is not None
-    block_m, block_v, num_warps, one_block = _config(v, m)
+    parts = _split_parts(v, m) if forward and not grad else 1
+    if parts > 1:
+        span = cdiv(cdiv(v, parts), CHUNK) * CHUNK
+        parts = cdiv(v, span)
+        partials = torch.empty((3, m, parts), dtype=torch.float32, device=logits.device)
+        launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0),
+               1.0 if softcap is None else softcap, PARTS=parts, SPAN=span, HAS_SMOOTHING=smoothing > 0,
+               HAS_SOFTCAP=softcap is not None, BLOCK_V=CHUNK, num_warps=CHUNK_WARPS)
+        launch(_ce_combine_kernel, (cdiv(m, 128),), logits, target, partials, loss,
+               loss if z_rows is None else z_rows, lse, m, v, logits.stride(0), ignore_index, smoothing, z_coef,
+               1.0 if softcap is None else softcap, PARTS=parts, PARTS_POW2=next_pow2(parts),
+               HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
+               HAS_SOFTCAP=softcap is not None, BLOCK_R=128, num_warps=4)
+        return
+    block_m, block_v, num_warps, one_block = _config(v, m, backward=grad and not forward)
     tiles = cdiv(m, block_m)
-    per_sm = PER_SM_GRAD if grad else PER_SM_FWD
+    per_sm = (PER_SM_GRAD if forward else PER_SM_BWD) if grad else PER_SM_FWD
     programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
     launch(_ce_kernel, (programs,),
         logits, target, lse if loss is None else loss, lse if z_rows is None else z_rows, lse,
         logits if dx is None else dx, lse if g is None else g, lse if count is None else count,
-        target if err is None else err,
         m, v, logits.stride(0), 0 if dx is None else dx.stride(0),
         0 if g is None or g.dim() == 0 else g.stride(0), ignore_index,
         smoothing, z_coef, 1.0 if softcap is None else softcap,
@@ -268,47 +421,76 @@ def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
 
 
-def check_target_flag(err: torch.Tensor, target: torch.Tensor, v: int, ignore_index: int) -> None:
-    """Raise ValueError if the forward flagged a target outside ``[0, V)``. Reading the flag
-    waits for the kernel (a device sync); skipped while a CUDA graph is being captured."""
-    if err.is_cuda and torch.cuda.is_current_stream_capturing():
+def _one_program_block(m: int):
+    """(BLOCK, num_warps) of the one-program kernels over the M rows."""
+    return (128, 4) if m <= 128 else (2048, 8)
+
+
+def start_target_check(target: torch.Tensor, v: int, ignore_index: int):
+    """Launch the search for a target outside ``[0, V)`` (not ``ignore_index``) ahead of the
+    main kernel, and start copying its answer to the host; ``finish_target_check`` reads it.
+    On a GPU the host then waits for this small kernel only, not for the cross-entropy
+    kernels queued after it, so the GPU does not idle while the host checks. None while a CUDA
+    graph is being captured (no check then)."""
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    err = torch.empty(1, dtype=torch.int64, device=target.device)
+    block, num_warps = _one_program_block(target.shape[0])
+    launch(_check_targets_kernel, (1,), target, err, target.shape[0], v, ignore_index, BLOCK=block,
+           num_warps=num_warps)
+    if not err.is_cuda:
+        return err, None
+    done = torch.cuda.Event()
+    err = err.to("cpu", non_blocking=True)
+    done.record()
+    return err, done
+
+
+def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int) -> None:
+    """Raise ValueError naming the first out-of-range target found by ``start_target_check``."""
+    if pending is None:
         return
+    err, done = pending
+    if done is not None:
+        done.synchronize()
     row = int(err.item()) - 1
     if row >= 0:
         raise ValueError(f"target[{row}] = {int(target[row].item())} is outside [0, {v}) (the vocabulary "
                          f"size) and is not ignore_index ({ignore_index})")
 
 
-def reduce_rows(rows: torch.Tensor, reduction: str, count: Optional[torch.Tensor], dtype: torch.dtype):
-    if reduction == "none":
-        return rows.to(dtype)
-    total = rows.sum()
-    if reduction == "mean":
-        total = total / count
-    return total.to(dtype)
-
-
-def row_buffers(m: int, target: torch.Tensor, ignore_index: int, reduction: str, want_z: bool, z_coef: float,
-                device: torch.device):
-    """What a forward writes per row: (lse [M] fp32, loss [M] fp32, z-loss [M] fp32 or None,
-    count of non-ignored rows (0-d int64, ``mean`` only) or None, error flag [1] int64)."""
+def row_buffers(m: int, want_z: bool, z_coef: float, device: torch.device):
+    """What a forward writes per row: (lse [M] fp32, loss [M] fp32, z-loss [M] fp32 or None)."""
     rows = lambda: torch.empty(m, dtype=torch.float32, device=device)  # noqa: E731
-    return (rows(), rows(), rows() if want_z and z_coef > 0 else None,
-            (target != ignore_index).sum() if reduction == "mean" else None,
-            torch.zeros(1, dtype=torch.int64, device=device))
+    return rows(), rows(), (rows() if want_z and z_coef > 0 else None)
 
 
-def finish_loss(loss_rows, z_rows, count, err, target, *, v: int, ignore_index: int, reduction: str, want_z: bool,
-                check: bool, dtype: torch.dtype):
-    """Reduce the per-row losses to ``dtype`` (and the z-loss part when ``want_z``), then raise
-    for an out-of-range target when ``check``. Returns (loss, z-loss part or None)."""
-    loss = reduce_rows(loss_rows, reduction, count, dtype)
-    z = None
-    if want_z:
-        z = reduce_rows(z_rows, reduction, count, dtype) if z_rows is not None else torch.zeros_like(loss)
-    if check:
-        check_target_flag(err, target, v, ignore_index)
-    return loss, z
+def count_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Rows not ignored (0-d int64): for passes that scale a gradient by ``1 / count`` as they go."""
+    return (target != ignore_index).sum()
+
+
+def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str, want_z: bool,
+                dtype: torch.dtype, count: Optional[torch.Tensor] = None):
+    """Reduce the per-row losses to ``dtype`` (and the z-loss part when ``want_z``) in one
+    small kernel, which also counts the rows for ``mean`` unless ``count`` is given.
+    Returns (loss, z-loss part or None, count (0-d int64, ``mean`` only) or None)."""
+    m = loss_rows.shape[0]
+    dev = loss_rows.device
+    reduce = reduction != "none"
+    loss = torch.empty(() if reduce else (m,), dtype=dtype, device=dev)
+    z = torch.empty_like(loss) if z_rows is not None else None
+    out_count = None
+    if reduction == "mean":
+        out_count = count if count is not None else torch.empty((), dtype=torch.int64, device=dev)
+    block, num_warps = _one_program_block(m)
+    launch(_finish_kernel, (1,), loss_rows, loss_rows if z_rows is None else z_rows, target,
+           loss_rows if out_count is None else out_count, loss, loss if z is None else z, m, ignore_index,
+           REDUCE=reduce, MEAN=out_count is not None, HAS_Z=z is not None, COUNT_GIVEN=count is not None,
+           BLOCK=block, num_warps=num_warps)
+    if want_z and z is None:
+        z = torch.zeros_like(loss)
+    return loss, z, out_count
 
 
 def _ce_forward(logits, target, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
@@ -317,12 +499,15 @@ def _ce_forward(logits, target, ignore_index: int, reduction: str, smoothing: fl
     also writes the gradient of the reduced loss for an upstream gradient of 1.
     Returns (loss, z-loss part or None, lse [M] fp32, count (0-d int64, ``mean`` only) or None)."""
     m, v = logits.shape
-    lse, loss_rows, z_rows, count, err = row_buffers(m, target, ignore_index, reduction, want_z, z_coef,
-                                                     logits.device)
-    _launch(logits, target, lse, loss=loss_rows, z_rows=z_rows, dx=dx, count=count, err=err,
+    pending = start_target_check(target, v, ignore_index) if check else None
+    lse, loss_rows, z_rows = row_buffers(m, want_z, z_coef, logits.device)
+    # A gradient formed in this pass needs 1 / count before the rows are summed.
+    count = count_rows(target, ignore_index) if dx is not None and reduction == "mean" else None
+    _launch(logits, target, lse, loss=loss_rows, z_rows=z_rows, dx=dx, count=count,
             ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
-    loss, z = finish_loss(loss_rows, z_rows, count, err, target, v=v, ignore_index=ignore_index,
-                          reduction=reduction, want_z=want_z, check=check, dtype=logits.dtype)
+    loss, z, count = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
+                                 want_z=want_z, dtype=logits.dtype, count=count)
+    finish_target_check(pending, target, v, ignore_index)
     return loss, z, lse, count
 
 
@@ -483,10 +668,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
             under torch.compile. (Not faster than the default on H100; see the module notes.)
         check_targets: raise ValueError when a target is outside ``[0, V)`` and not
-            ``ignore_index``. The check reads one flag the kernel sets, which waits for the
-            kernel to finish (one device sync per call, a few microseconds; skipped during
-            CUDA graph capture). With ``False`` there is no sync, and such rows give a NaN
-            loss. Either way no memory outside the logits is read.
+            ``ignore_index``. A small kernel searches the targets before the main kernel and
+            the host waits for that one alone (not for the kernels queued after it; skipped
+            during CUDA graph capture). With ``False`` there is no wait, and such rows give a
+            NaN loss. Either way no memory outside the logits is read.
 
     Returns:
         ``loss`` in the logits' dtype (0-d, or ``[M]`` for ``"none"``), or a

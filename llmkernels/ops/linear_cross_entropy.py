@@ -27,8 +27,8 @@ import torch
 
 from .. import reference
 from ._common import cdiv, check_tensor, use_kernels
-from .cross_entropy import (_launch, check_loss_options, check_target, finish_loss, package_output, row_buffers,
-                            scale_rows_)
+from .cross_entropy import (_launch, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
+                            package_output, row_buffers, scale_rows_, start_target_check)
 
 ROWS_PER_CHUNK = 2048
 
@@ -61,10 +61,10 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=None, count=None,
-             loss_rows=None, z_rows=None, err=None, ignore_index: int, smoothing: float, z_coef: float,
+             loss_rows=None, z_rows=None, ignore_index: int, smoothing: float, z_coef: float,
              softcap: Optional[float]) -> None:
-    """The chunk loop. With ``loss_rows``: the forward, writing ``loss_rows`` (``z_rows``),
-    ``lse``, ``err``; without: the backward, using ``lse``. ``grads = (grad_hidden, grad_weight_acc, grad_bias_acc)``, each optional: filled
+    """The chunk loop. With ``loss_rows``: the forward, writing ``loss_rows`` (``z_rows``) and
+    ``lse``; without: the backward, using ``lse``. ``grads = (grad_hidden, grad_weight_acc, grad_bias_acc)``, each optional: filled
     with the gradient for upstream gradient ``g`` (None: 1) and ``1 / count`` (``mean``)."""
     grad_hidden, grad_weight, grad_bias = grads
     want_grad = any(t is not None for t in grads)
@@ -76,7 +76,7 @@ def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=N
         _launch(logits, target[a:b], lse[a:b],
                 loss=None if loss_rows is None else loss_rows[a:b], z_rows=None if z_rows is None else z_rows[a:b],
                 dx=logits if want_grad else None, g=None if g is None else (g if g.dim() == 0 else g[a:b]),
-                count=count, err=err, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+                count=count, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[a:b])
         if grad_weight is not None:
@@ -101,15 +101,18 @@ def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str
     than ``"none"``) for an upstream gradient of 1, in the parameters' dtypes."""
     m, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    lse, loss_rows, z_rows, count, err = row_buffers(m, target, ignore_index, reduction, want_z, z_coef, dev)
+    pending = start_target_check(target, v, ignore_index) if check else None
+    lse, loss_rows, z_rows = row_buffers(m, want_z, z_coef, dev)
     fused = reduction != "none" and any(need)
+    count = count_rows(target, ignore_index) if fused and reduction == "mean" else None
     grads = _grad_buffers(hidden, weight, bias, need, accum_dtype) if fused else (None, None, None)
     chunk = chunk_rows(m, v, hidden.element_size(), dev, chunk_size)
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
-             loss_rows=loss_rows, z_rows=z_rows, err=err, ignore_index=ignore_index, smoothing=smoothing,
+             loss_rows=loss_rows, z_rows=z_rows, ignore_index=ignore_index, smoothing=smoothing,
              z_coef=z_coef, softcap=softcap)
-    loss, z = finish_loss(loss_rows, z_rows, count, err, target, v=v, ignore_index=ignore_index, reduction=reduction,
-                          want_z=want_z, check=check, dtype=torch.float32)
+    loss, z, count = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
+                                 want_z=want_z, dtype=torch.float32, count=count)
+    finish_target_check(pending, target, v, ignore_index)
     gh, gw, gb = grads
     gw = None if gw is None else gw.to(weight.dtype)
     gb = None if gb is None else gb.to(bias.dtype)

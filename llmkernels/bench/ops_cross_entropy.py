@@ -1,8 +1,8 @@
 """Benchmark registration of cross-entropy: ``loss = cross_entropy(logits [M, V], target [M])``.
 
 bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``. Default rows
-``M = 8192``: the tokens of a training micro-batch (4 x 2048), 0.5-4 GiB of bf16 logits for V =
-32000-262144 (at 256 MiB, 512-4096 rows, the ~100 us kernels are short enough that per-call host
+``M = 8192``: the tokens of a training micro-batch (4 x 2048; 4096 at V = 262144), 0.5-2 GiB of
+bf16 logits (at 256 MiB, 512-4096 rows, the ~100 us kernels are short enough that per-call host
 work on the GPU machine shows in the timings). Minimum bytes (``e`` = element size; the targets and
 the per-row statistics, under 0.1% at these sizes, are not counted):
 
@@ -38,7 +38,8 @@ DEFAULT_ROWS = 8192
 
 
 def _shape(v: int, rows):
-    return {"M": rows if rows is not None else DEFAULT_ROWS, "V": v}
+    """8192 rows, fewer where the float64 check of 2^30 logits would not fit (V = 262144: 4096)."""
+    return {"M": rows if rows is not None else min(DEFAULT_ROWS, 2**30 // v), "V": v}
 
 
 def _inputs(shape, dtype, device):

@@ -49,7 +49,7 @@ CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/1282
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
 PER_SM_GRAD = 4       # ... of the in-place pass, forward and gradient (bounds the rows kept in L2)
 BWD_WARPS = 16        # the separate backward: 16384 x 16 warps, 2 programs per SM: 0.91 x copy at
-PER_SM_BWD = 2        # 256 MiB (8 warps, 4 per SM: 0.74); benchmarks/results/ce-bwd-sweep-*
+PER_SM_BWD = 2        # 256 MiB (8 warps, 4 per SM: 0.74); benchmarks/results/cross-entropy-session4-*
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
 
 SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this

@@ -18,9 +18,10 @@ One kernel does everything, chosen by constexpr switches:
   - with ``inplace_backward`` the gradient is formed in the forward, in the same program right
     after the row's statistics, and written over the logits, so training needs no second
     ``[M, V]`` buffer. The row's second read goes in reverse chunk order so that the chunks read
-    last could come from L2; measured on H100 (benchmarks/results/cross_entropy-h100-*) they
-    mostly do not at V >= 32000 (too many rows in flight for the 50 MB L2), so this path is
-    ~10% slower than the separate backward: its value is memory. Rows of up to
+    last could come from L2; measured on H100 they mostly do not at V >= 32000 (too many rows in
+    flight for the 50 MB L2): with 32 warps this pass runs at 0.68-0.75 x copy (counting one read
+    and one write) against 0.62-0.64 for the forward and the separate backward
+    (benchmarks/results/cross-entropy-session4-h100-2026-11-22/). Rows of up to
     ``ONE_BLOCK_MAX`` classes are held in registers and read exactly once. The backward only
     multiplies the gradient by the upstream gradient in place, skipping rows where that is
     exactly 1 (``loss.backward()``).
@@ -48,8 +49,10 @@ CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/1282
                       # 8192 x 16: 0.82/0.94/0.94); benchmarks/results/cross_entropy-forward-*.txt
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
 PER_SM_GRAD = 4       # ... of the in-place pass, forward and gradient (bounds the rows kept in L2)
-BWD_WARPS = 16        # the separate backward: 16384 x 16 warps, 2 programs per SM: 0.91 x copy at
-PER_SM_BWD = 2        # 256 MiB (8 warps, 4 per SM: 0.74); benchmarks/results/cross-entropy-session4-*
+FUSED_WARPS = 32      # warps of the in-place pass: 0.68-0.75 x copy at 8192 rows (8 warps: 0.55-0.59)
+BWD_WARPS = 32        # the separate backward: 16384 x 32 warps, 2 programs per SM: 0.93-0.94 x copy
+PER_SM_BWD = 2        # at 8192 rows (8 warps, 4 per SM: 0.74-0.80); sweeps in
+                      # benchmarks/results/cross-entropy-session4-h100-2026-11-22/
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
 
 SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this
@@ -222,7 +225,7 @@ def _ce_kernel(
 
 
 @triton.jit
-def _ce_partial_kernel(X, PART, M, V, stride_x, softcap, PARTS: tl.constexpr, SPAN: tl.constexpr,
+def _ce_partial_kernel(X, PART, M, V, stride_x, softcap, PARTS, SPAN,
                        HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """Split forward, step 1 (rows too few to fill the GPU): program (row, part) reduces columns
     [part * SPAN, (part + 1) * SPAN) of its row to its online-logsumexp partials, stored in
@@ -243,7 +246,7 @@ def _ce_partial_kernel(X, PART, M, V, stride_x, softcap, PARTS: tl.constexpr, SP
 
 @triton.jit
 def _ce_combine_kernel(X, T, PART, LOSS, ZLOSS, LSE, M, V, stride_x, ignore_index, smoothing, z_coef, softcap,
-                       PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                       PARTS, PARTS_POW2: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                        HAS_Z: tl.constexpr, STORE_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr):
     """Split forward, step 2: each row's lse from its PARTS partials, then its loss (LOSS,
     ZLOSS) and LSE, as the one-pass forward writes them."""
@@ -347,11 +350,12 @@ def _finish_kernel(LOSS_ROWS, Z_ROWS, T, COUNT, OUT, OUT_Z, M, ignore_index,
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launchers
 # --------------------------------------------------------------------------------------------
-def _config(v: int, m: int, backward: bool = False):
-    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes (``backward``: of the
-    separate backward)."""
+def _config(v: int, m: int, forward: bool = True, grad: bool = False):
+    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes, for the forward alone,
+    the separate backward (``grad``) or the in-place pass (both)."""
     if v > ONE_BLOCK_MAX:
-        return CHUNK_ROWS, CHUNK, BWD_WARPS if backward else CHUNK_WARPS, False
+        warps = (FUSED_WARPS if forward else BWD_WARPS) if grad else CHUNK_WARPS
+        return CHUNK_ROWS, CHUNK, warps, False
     block_v = max(16, next_pow2(v))
     block_m = min(max(1, 4096 // block_v), next_pow2(max(m, 1)))
     num_warps = min(32, max(4, block_m * block_v // 512))
@@ -383,15 +387,15 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
         parts = cdiv(v, span)
         partials = torch.empty((3, m, parts), dtype=torch.float32, device=logits.device)
         launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0),
-               1.0 if softcap is None else softcap, PARTS=parts, SPAN=span, HAS_SMOOTHING=smoothing > 0,
+               1.0 if softcap is None else softcap, parts, span, HAS_SMOOTHING=smoothing > 0,
                HAS_SOFTCAP=softcap is not None, BLOCK_V=CHUNK, num_warps=CHUNK_WARPS)
         launch(_ce_combine_kernel, (cdiv(m, 128),), logits, target, partials, loss,
                loss if z_rows is None else z_rows, lse, m, v, logits.stride(0), ignore_index, smoothing, z_coef,
-               1.0 if softcap is None else softcap, PARTS=parts, PARTS_POW2=next_pow2(parts),
+               1.0 if softcap is None else softcap, parts, PARTS_POW2=next_pow2(parts),
                HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
                HAS_SOFTCAP=softcap is not None, BLOCK_R=128, num_warps=4)
         return
-    block_m, block_v, num_warps, one_block = _config(v, m, backward=grad and not forward)
+    block_m, block_v, num_warps, one_block = _config(v, m, forward, grad)
     tiles = cdiv(m, block_m)
     per_sm = (PER_SM_GRAD if forward else PER_SM_BWD) if grad else PER_SM_FWD
     programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
@@ -666,7 +670,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             are overwritten** (autograd raises if another op saved them for its backward), and
             the backward can run only once. The backward multiplies by the upstream gradient
             in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
-            under torch.compile. (Not faster than the default on H100; see the module notes.)
+            under torch.compile. (On H100 ~1.1x faster than the default; see the module notes.)
         check_targets: raise ValueError when a target is outside ``[0, V)`` and not
             ``ignore_index``. A small kernel searches the targets before the main kernel and
             the host waits for that one alone (not for the kernels queued after it; skipped

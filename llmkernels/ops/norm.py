@@ -109,9 +109,6 @@ def _norm_fwd_kernel(
                 # then the centred squares in sequence), shifted by the row's first element as in
                 # the blocked loop so that the variance does not cancel when |mean| >> std.
                 shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    shift = (shift + tl.load(RES + rows64 * stride_res, mask=row_mask, other=0.0).to(tl.float32)
-                             ).to(in_ty).to(tl.float32)
                 xs = tl.where(mask, x - shift[:, None], 0.0)
                 mean_shifted = tl.sum(xs, axis=1) / N
                 mean = shift + mean_shifted

@@ -290,6 +290,27 @@ def test_linear_matches_reference(bias, dtype, reduction, device):
     check_lce(17, 48, 1100, dtype, device, bias=bias, reduction=reduction)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocator statistics need CUDA")
+def test_linear_forward_peak_memory():
+    """One [chunk, V] block of logits at a time: the forward's peak above its inputs is the fp32
+    weight-gradient accumulator plus one block (larger than the bf16 weight gradient formed
+    after the loop) and small buffers; a fresh product per chunk once kept two blocks alive."""
+    m, h, v, chunk = 256, 64, 50000, 128
+    hidden = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (m,), device="cuda")
+    lk.linear_cross_entropy(hidden, weight, target, chunk_size=chunk)  # warm-up: kernels, cuBLAS workspace
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = lk.linear_cross_entropy(hidden, weight, target, chunk_size=chunk)
+    peak = torch.cuda.max_memory_allocated() - base
+    block, accumulator = chunk * v * 2, v * h * 4
+    assert block > v * h * 2  # so that two blocks alive would exceed the bound
+    assert peak <= accumulator + block + m * h * 2 + 2**20, f"peak {peak} B"
+    loss.backward()
+
+
 @pytest.mark.parametrize("opts", list(OPTIONS), ids=str)
 def test_linear_options(opts, device):
     check_lce(9, 32, 1100, torch.float32, device, chunk_size=4, **OPTIONS[opts])

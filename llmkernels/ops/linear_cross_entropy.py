@@ -69,10 +69,17 @@ def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=N
     grad_hidden, grad_weight, grad_bias = grads
     want_grad = any(t is not None for t in grads)
     m = hidden.shape[0]
+    # One [chunk, V] buffer for every chunk: a fresh product per chunk would be allocated while
+    # the previous chunk's is still referenced, two chunks' logits at the peak.
+    buffer = torch.empty((min(chunk, m), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
         h = hidden[a:b]
-        logits = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+        logits = buffer[: b - a]
+        if bias is None:
+            torch.mm(h, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h, weight.t(), out=logits)
         _launch(logits, target[a:b], lse[a:b],
                 loss=None if loss_rows is None else loss_rows[a:b], z_rows=None if z_rows is None else z_rows[a:b],
                 dx=logits if want_grad else None, g=None if g is None else (g if g.dim() == 0 else g[a:b]),

@@ -97,8 +97,10 @@ def check_ce_big(x, t):
     return out
 
 
-# Launch configurations tried by --sweep: name -> (CHUNK, CHUNK_WARPS, CHUNK_ROWS, PER_SM_FWD,
-# PER_SM_GRAD, FUSED_EVICT); the forward, the in-place fwd+bwd and the default fwd+bwd of each.
+# Launch configurations tried by --sweep: name -> (CHUNK, warps, CHUNK_ROWS, PER_SM_FWD, programs
+# per SM of the gradient passes, FUSED_EVICT); the forward, the in-place fwd+bwd and the default
+# fwd+bwd of each. One warps value for every pass (CHUNK_WARPS, FUSED_WARPS, BWD_WARPS) and one
+# per-SM value for both gradient passes (PER_SM_GRAD, PER_SM_BWD), as when these were one knob.
 SWEEP = {
     "c8k-w16-r1-p0/4-LF": (8192, 16, 1, 0, 4, ("evict_last", "evict_first")),
     "c8k-w16-r1-p0/3-LF": (8192, 16, 1, 0, 3, ("evict_last", "evict_first")),
@@ -111,12 +113,22 @@ SWEEP = {
     "c4k-w8-r2-p0/0-NN": (4096, 8, 2, 0, 0, ("", "")),
     "c2k-w4-r4-p0/0-NN": (2048, 4, 4, 0, 0, ("", "")),
 }
-KNOBS = ("CHUNK", "CHUNK_WARPS", "CHUNK_ROWS", "PER_SM_FWD", "PER_SM_GRAD", "FUSED_EVICT")
+KNOBS = (("CHUNK",), ("CHUNK_WARPS", "FUSED_WARPS", "BWD_WARPS"), ("CHUNK_ROWS",), ("PER_SM_FWD",),
+         ("PER_SM_GRAD", "PER_SM_BWD"), ("FUSED_EVICT",))
 
 
 def set_config(values):
-    for knob, value in zip(KNOBS, values):
-        setattr(ce_ops, knob, value)
+    """Set the knobs of one SWEEP entry; returns the settings they replaced (for ``restore``)."""
+    saved = {name: getattr(ce_ops, name) for names in KNOBS for name in names}
+    for names, value in zip(KNOBS, values):
+        for name in names:
+            setattr(ce_ops, name, value)
+    return saved
+
+
+def restore(saved):
+    for name, value in saved.items():
+        setattr(ce_ops, name, value)
 
 
 def main():
@@ -138,7 +150,6 @@ def main():
         print(f"{kw['op']:22s} {kw['mode']:8s} {kw['provider']:26s} M={kw['M']:6d} V={kw['V']:6d} "
               f"{kw['ms']:8.3f} ms {gb}{mem}", flush=True)
 
-    defaults = tuple(getattr(ce_ops, knob) for knob in KNOBS)
     provs = ce_providers()
     for m, v in CE_SHAPES:
         torch.manual_seed(0)
@@ -165,13 +176,13 @@ def main():
                 del xi
             if args.sweep:
                 for cfg, values in SWEEP.items():
-                    set_config(values)
+                    saved = set_config(values)
                     names = ["llmkernels"] if mode == "fwd" else ["llmkernels_inplace", "llmkernels"]
                     for name in names:
                         ms = time_ce(provs[name], x.clone(), t, mode)
                         record(op="cross_entropy", mode=mode, provider=f"{name}[{cfg}]", M=m, V=v, ms=ms,
                                gbps=nbytes[mode] / ms / 1e6)
-                set_config(defaults)
+                    restore(saved)
         del x
         torch.cuda.empty_cache()
 

@@ -45,11 +45,19 @@ def _setup():
     return dist.get_rank(), world, torch.device("cpu")
 
 
-def _teardown():
-    # Ranks leave together: a gloo rank that destroys its group while a peer is still in a
-    # collective can abort the peer ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+def _finish(result, out):
+    """Rank 0 writes ``result``; then, under torchrun, the ranks leave together and exit at once.
+    Tearing gloo down (destroy_process_group, or the interpreter's exit with its threads alive)
+    intermittently aborted a rank ("terminate called without an active exception") after the
+    work was done, failing the run; a worker that is about to exit has nothing to release."""
+    if result is not None and out:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _model(args, device):
@@ -96,8 +104,6 @@ def train(args) -> list:
             dist.all_reduce(loss)
             loss /= world
         losses.append(loss.item())
-    if world > 1:
-        _teardown()
     return losses if rank == 0 else None
 
 
@@ -131,7 +137,6 @@ def sp_norm(args) -> dict:
         "dx_rel_err": ((xd.grad.full_tensor() - xr.grad).norm() / xr.grad.norm()).item(),
         "dw_rel_err": ((norm.weight.grad.full_tensor() - ref.weight.grad).norm() / ref.weight.grad.norm()).item(),
     }
-    _teardown()
     return out if rank == 0 else None
 
 
@@ -192,10 +197,7 @@ def main():
     args = p.parse_args()
     if args.check:
         sys.exit(check(args))
-    result = sp_norm(args) if args.mode == "sp_norm" else train(args)
-    if result is not None and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+    _finish(sp_norm(args) if args.mode == "sp_norm" else train(args), args.out)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def test_forward_split_over_programs(opts, device, monkeypatch):
     statistics, then a combine pass). Narrow spans give a row 20 parts, the last one partly
     masked; the separate backward then uses the combined lse."""
     monkeypatch.setattr(ce_ops, "CHUNK", 1024)
-    assert ce_ops._split_parts(20000, 3) == 20
+    assert ce_ops._split_parts(20000, 3) == (20, 1024)
     logits, target = make_case(3, 20000, torch.bfloat16, device, ignored=(0,))
     kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
     for reduction in ("mean", "none"):

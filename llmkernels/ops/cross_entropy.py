@@ -362,13 +362,16 @@ def _config(v: int, m: int, forward: bool = True, grad: bool = False):
     return block_m, block_v, num_warps, True
 
 
-def _split_parts(v: int, m: int) -> int:
-    """Programs per row of the forward alone: 1, or as many CHUNK-wide column spans as keep
-    rows x parts <= SPLIT_ITEMS (a few hundred rows of a 128K vocabulary are under four waves
-    of programs on an H100, and the last wave leaves SMs idle)."""
-    if v <= ONE_BLOCK_MAX:
-        return 1
-    return max(1, min(cdiv(v, CHUNK), SPLIT_ITEMS // max(m, 1)))
+def _split_parts(v: int, m: int) -> tuple[int, int]:
+    """``(parts, span)``: programs per row of the forward alone and the columns each covers (a
+    multiple of CHUNK): one program (span V), or as many spans as keep rows x parts <=
+    SPLIT_ITEMS (a few hundred rows of a 128K vocabulary are under four waves of programs on an
+    H100, and the last wave leaves SMs idle)."""
+    parts = 1 if v <= ONE_BLOCK_MAX else max(1, min(cdiv(v, CHUNK), SPLIT_ITEMS // max(m, 1)))
+    if parts == 1:
+        return 1, v
+    span = cdiv(cdiv(v, parts), CHUNK) * CHUNK
+    return cdiv(v, span), span
 
 
 def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, count=None,
@@ -381,10 +384,8 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
     if m == 0:
         return
     forward, grad = loss is not None, dx is not None
-    parts = _split_parts(v, m) if forward and not grad else 1
+    parts, span = _split_parts(v, m) if forward and not grad else (1, v)
     if parts > 1:
-        span = cdiv(cdiv(v, parts), CHUNK) * CHUNK
-        parts = cdiv(v, span)
         partials = torch.empty((3, m, parts), dtype=torch.float32, device=logits.device)
         launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0),
                1.0 if softcap is None else softcap, parts, span, HAS_SMOOTHING=smoothing > 0,

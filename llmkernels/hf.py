@@ -18,7 +18,9 @@ What is replaced (each can be switched off):
 - ``layer_norm``: ``torch.nn.LayerNorm`` modules (GPT-NeoX) by ``llmkernels.layer_norm``.
 - ``mlp``: the product ``act_fn(gate) * up`` of the family's gated MLP by ``llmkernels.glu``
   (``silu``: SwiGLU; Gemma's ``gelu_pytorch_tanh``: GeGLU; exact ``gelu``), which saves gate and
-  up for the backward but not ``act_fn(gate)``: Llama-style ``gate_proj``/``up_proj``/``down_proj``
+  up for the backward but not ``act_fn(gate)``; with its ``down_proj`` a plain ``nn.Linear`` by
+  ``llmkernels.glu_linear``, which does not keep the product for ``down_proj``'s weight gradient
+  either (recomputed in the backward): Llama-style ``gate_proj``/``up_proj``/``down_proj``
   MLPs (``forward``), Phi-3's fused ``gate_up_proj`` (``forward``, halves read in place) and the
   3-D expert weights of Mixtral and Qwen 3 MoE (``_apply_gate``, the hook that transformers'
   ``grouped_mm``, ``batched_mm`` and ``deepgemm`` experts implementations call; its ``eager``
@@ -57,6 +59,7 @@ from torch import nn
 
 from .ops.glu import ACTIVATIONS as GLU_ACTIVATIONS
 from .ops.glu import glu as _glu
+from .ops.glu import glu_linear as _glu_linear
 from .ops.linear_cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .ops.norm import layer_norm as _layer_norm
 from .ops.norm import rms_norm as _rms_norm
@@ -228,17 +231,40 @@ def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _glu(gate, up, activation)
 
 
+def _plain_linear(module, x: torch.Tensor) -> bool:
+    """True when calling ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``:
+    an ``nn.Linear`` itself (not a LoRA or quantized subclass) without hooks, whose
+    parameters are plain tensors of x's dtype, outside autocast."""
+    from torch.nn.modules import module as module_globals
+
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and not module._backward_hooks and not module._backward_pre_hooks
+            and not module_globals._global_forward_hooks and not module_globals._global_forward_pre_hooks
+            and not module_globals._global_backward_hooks and not module_globals._global_backward_pre_hooks
+            and not _is_dtensor(module.weight) and module.weight.dtype == x.dtype
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def _gated_down(act_fn, gate: torch.Tensor, up: torch.Tensor, down_proj) -> torch.Tensor:
+    """``down_proj(act_fn(gate) * up)``: ``llmkernels.glu_linear`` (the product is recomputed in
+    the backward, not kept) when ``down_proj`` is a plain ``nn.Linear``, else ``_gated``."""
+    activation = _glu_activation(act_fn)
+    if activation is None or _is_dtensor(gate) or _is_dtensor(up) or not _plain_linear(down_proj, gate):
+        return down_proj(_gated(act_fn, gate, up))
+    return _glu_linear(gate, up, down_proj.weight, down_proj.bias, activation)
+
+
 @_mark
 def _separate_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """Llama's MLP (and its copies): ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
-    return self.down_proj(_gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
+    return _gated_down(self.act_fn, self.gate_proj(x), self.up_proj(x), self.down_proj)
 
 
 @_mark
 def _fused_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """Phi-3's MLP: ``gate, up = gate_up_proj(x).chunk(2, -1)``, ``down_proj(up * act(gate))``."""
     gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-    return self.down_proj(_gated(self.activation_fn, gate, up))
+    return _gated_down(self.activation_fn, gate, up, self.down_proj)
 
 
 @_mark
@@ -479,7 +505,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
             attr, replacement, act_attr = _MLP_PATCHES[layout]
             if not _is_patched(getattr(module, attr)):
                 setattr(module, attr, types.MethodType(replacement, module))
-            key = f"{name}.{attr} -> llmkernels.glu(activation={_glu_activation(getattr(module, act_attr))!r})"
+            op = "glu_linear" if type(getattr(module, "down_proj", None)) is nn.Linear else "glu"
+            key = f"{name}.{attr} -> llmkernels.{op}(activation={_glu_activation(getattr(module, act_attr))!r})"
         else:
             if name.endswith(("RMSNorm", "LayerNorm", "GroupNorm")) and not _is_patched(module.forward):
                 unknown_norms.add(name)

@@ -154,6 +154,74 @@ def test_torch_compile_fullgraph():
     assert torch.equal(torch.autograd.grad(y, gate_up, dy)[0], torch.autograd.grad(want, gate_up, dy)[0])
 
 
+def _glu_linear_leaves(dtype, bias: bool, i=48, o=24):
+    g = torch.Generator().manual_seed(7)
+    make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype).requires_grad_()  # noqa: E731
+    gate_up = make(2, 5, 2 * i, scale=2.0)  # the halves of a fused projection: strided rows
+    weight = make(o, i, scale=i ** -0.5)
+    return gate_up, weight, (make(o) if bias else None)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_linear_against_float64(activation, dtype, bias):
+    """glu_linear = F.linear(glu(gate, up), weight, bias): output and the gradients of the fused
+    gate_up, the weight and the bias against float64, for a random upstream gradient."""
+    gate_up, weight, b = _glu_linear_leaves(dtype, bias)
+    leaves = [t for t in (gate_up, weight, b) if t is not None]
+    with poisoned():
+        out = llmkernels.glu_linear(*gate_up.chunk(2, dim=-1), weight, b, activation)
+    assert out.shape == (2, 5, weight.shape[0]) and out.dtype == dtype
+    leaves64 = [t.detach().to(F64).requires_grad_() for t in leaves]
+    gu64, w64, b64 = leaves64 + [None] * (3 - len(leaves64))
+    ref = F.linear(reference.glu(*gu64.chunk(2, dim=-1), activation, compute_dtype=F64), w64, b64)
+    # The product is rounded to dtype before the matmul (as in down_proj(glu(...))): compare with
+    # the relative-norm bound of a bf16/fp16 matmul input.
+    assert_close(out, ref, dtype, "out", scale=2.0)
+    d_out = torch.randn_like(out)
+    with poisoned():
+        got = torch.autograd.grad(out, leaves, d_out)
+    want = torch.autograd.grad(ref, leaves64, d_out.to(F64))
+    for name, a, w in zip(("d_gate_up", "d_weight", "d_bias"), got, want):
+        assert a.dtype == dtype
+        assert_close(a, w, dtype, name, scale=2.0)
+
+
+def test_glu_linear_equals_down_proj_of_glu_and_saves_two_tensors():
+    """Bitwise the output and gradients of ``down_proj(glu(gate, up))``, while autograd keeps
+    gate, up and the weight (no [..., I] product): the backward recomputes it."""
+    gate_up, weight, b = _glu_linear_leaves(torch.float32, bias=True, i=40, o=12)
+    down = torch.nn.Linear(40, 12, device=DEVICE)
+    with torch.no_grad():
+        down.weight.copy_(weight)
+        down.bias.copy_(b)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = llmkernels.glu_linear(*(gate_up * 1.0).chunk(2, dim=-1), down.weight, down.bias)
+    assert sorted(tuple(t.shape) for t in saved) == [(10, 40), (10, 40), (12, 40)]  # gate, up rows; weight
+    want = down(llmkernels.glu(*gate_up.chunk(2, dim=-1)))
+    assert torch.equal(out, want)
+    d_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (gate_up, down.weight, down.bias), d_out)
+    ref = torch.autograd.grad(want, (gate_up, down.weight, down.bias), d_out)
+    for name, a, w in zip(("d_gate_up", "d_weight", "d_bias"), got, ref):
+        assert torch.equal(a, w), f"{name}: max diff {(a - w).abs().max().item():.3e}"
+
+
+def test_glu_linear_frozen_weight_and_inference():
+    """A frozen down projection (no weight gradient), and no_grad: same output."""
+    gate_up, weight, _ = _glu_linear_leaves(torch.float32, bias=False)
+    weight = weight.detach()
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = llmkernels.glu_linear(gate, up, weight)
+    (d_gate_up,) = torch.autograd.grad(out, gate_up, torch.ones_like(out))
+    (want,) = torch.autograd.grad(F.linear(llmkernels.glu(gate, up), weight), gate_up, torch.ones_like(out))
+    assert torch.equal(d_gate_up, want)
+    with torch.no_grad():
+        assert torch.equal(llmkernels.glu_linear(gate, up, weight), out)
+
+
 def _bad_cases():
     gate = torch.randn(4, 8, device=DEVICE)
     return [
@@ -165,6 +233,13 @@ def _bad_cases():
         ("up must be a torch.Tensor", TypeError, lambda: llmkernels.glu(gate, 1.0)),
         ("activation must be one of", ValueError, lambda: llmkernels.glu(gate, gate, "relu")),
         ("at least one dimension", ValueError, lambda: llmkernels.glu(gate[0, 0], gate[0, 0])),
+        ("weight must have shape", ValueError, lambda: llmkernels.glu_linear(gate, gate, gate[:, :4])),
+        ("weight must have shape", ValueError, lambda: llmkernels.glu_linear(gate, gate, gate[0])),
+        ("weight dtype", TypeError, lambda: llmkernels.glu_linear(gate, gate, gate.bfloat16())),
+        ("weight must be a floating", TypeError, lambda: llmkernels.glu_linear(gate, gate, gate.long())),
+        ("bias must have shape", ValueError, lambda: llmkernels.glu_linear(gate, gate, gate, gate[0])),
+        ("bias dtype", TypeError, lambda: llmkernels.glu_linear(gate, gate, gate, gate[:, 0].half())),
+        ("up shape", ValueError, lambda: llmkernels.glu_linear(gate, gate[:, :4], gate)),
     ]
 
 

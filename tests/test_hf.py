@@ -112,7 +112,8 @@ def test_patched_model_trains_like_unpatched(model_type):
         assert part not in report.not_patched, str(report)
     if model_type in MLPS:
         mlp_cls, activation = MLPS[model_type]
-        assert any(p.startswith(f"{mlp_cls}.") and f"llmkernels.glu(activation={activation!r})" in p
+        op = "glu" if mlp_cls.endswith("Experts") else "glu_linear"  # the down projection too
+        assert any(p.startswith(f"{mlp_cls}.") and f"llmkernels.{op}(activation={activation!r})" in p
                    for p in report.patched), str(report)
     else:
         assert "no gated MLP" in report.not_patched["mlp"]

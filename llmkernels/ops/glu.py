@@ -20,6 +20,8 @@ multiplied by, ``d_gate`` passes ``q`` straight through.
 
 Memory: the backward recomputes ``act(gate)`` from the saved gate and up, so the op saves two
 ``[..., I]`` tensors where HF's eager MLP saves three (gate, up and ``act(gate)``).
+``glu_linear`` also takes the down projection, so that its input ``y`` is not kept either
+(``down_proj`` would save it): two ``[..., I]`` tensors per MLP instead of HF's four.
 
 The kernels are elementwise and memory bound (fwd: gate, up read, y written; bwd: gate, up, dy
 read, d_gate, d_up written). They see ``[M, I]`` rows (leading dimensions flattened) through
@@ -95,8 +97,9 @@ def _glu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u,
 
 @triton.jit
 def _glu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u,
-                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """DG, DU [M, N] contiguous: dy * up * act'(gate) and dy * q(act(gate))."""
+                    ACTIVATION: tl.constexpr, STORE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DG, DU [M, N] contiguous: dy * up * act'(gate) and dy * q(act(gate)). With STORE_Y, the
+    forward's y = q(act(gate)) * up is written over DY, each element after it was read."""
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -105,6 +108,8 @@ def _glu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u,
     a = a.to(DU.dtype.element_ty).to(tl.float32)
     tl.store(DG + rows * N + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + rows * N + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
+    if STORE_Y:
+        tl.store(DY + rows * stride_dy + cols, (a * u).to(DY.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,9 +140,10 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Ten
     return y
 
 
-def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
+def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_y: bool = False):
     """``(d_gate, d_up)``, new contiguous ``[M, N]`` tensors of gate's dtype, from ``dy, gate,
-    up [M, N]`` (row strides allowed)."""
+    up [M, N]`` (row strides allowed). ``store_y``: ``dy`` (then a buffer the caller owns)
+    is overwritten with the forward's ``y``, recomputed."""
     m, n = gate.shape
     dy = as_rows(dy, n)  # the upstream gradient may come with any strides
     d_gate = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
@@ -145,7 +151,7 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
     if d_gate.numel():
         grid, config = _grid(m, n)
         launch(_glu_bwd_kernel, grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), gate.stride(0),
-               up.stride(0), ACTIVATION=activation, **config)
+               up.stride(0), ACTIVATION=activation, STORE_Y=store_y, **config)
     return d_gate, d_up
 
 
@@ -167,6 +173,28 @@ class _GluFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation)
         return d_gate, d_up, None
+
+
+class _GluLinearFunction(torch.autograd.Function):
+    """``F.linear(glu(gate, up), weight, bias)`` saving gate, up and weight, not the product:
+    the backward recomputes it in the pass that forms d_gate and d_up."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, activation):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.activation, ctx.has_bias = activation, bias is not None
+        return torch.nn.functional.linear(_glu_fwd(gate, up, activation), weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        gate, up, weight = ctx.saved_tensors
+        d_out = as_rows(d_out, d_out.shape[-1])
+        dy = torch.mm(d_out, weight)  # [M, I], overwritten with the recomputed product below
+        d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation, store_y=True)
+        d_weight = torch.mm(d_out.t(), dy) if ctx.needs_input_grad[2] else None
+        d_bias = d_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return d_gate, d_up, d_weight, d_bias, None
 
 
 @torch.library.custom_op("llmkernels::glu_fwd", mutates_args=())
@@ -251,3 +279,48 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
     else:
         y = _glu_fwd(*args)  # inference: no autograd node, nothing saved
     return y.view(shape)
+
+
+def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str = "silu") -> torch.Tensor:
+    """A gated MLP's down projection, ``F.linear(glu(gate, up, activation), weight, bias)``,
+    without keeping the product for the backward.
+
+    ``nn.Linear`` saves its input, so ``down_proj(glu(gate, up))`` keeps three ``[..., I]``
+    tensors per MLP until the backward (gate, up and the product). This saves gate and up only:
+    the backward forms ``dy = d_out @ weight``, then one kernel reads dy, gate and up, writes
+    d_gate and d_up, and writes the recomputed product over dy for ``d_weight = d_out^T @ y``:
+    one ``[..., I]`` write more than keeping it. Outputs and gradients are bitwise those of
+    ``down_proj(glu(gate, up))`` (the same kernels and matmuls).
+
+    Args:
+        gate, up: as for :func:`glu` (``[..., I]``, one float dtype, strided halves allowed).
+        weight: ``[O, I]`` of gate's dtype and device (``down_proj.weight``).
+        bias: ``[O]`` or None.
+        activation: as for :func:`glu`.
+
+    Returns:
+        ``[..., O]`` in gate's dtype; differentiable in gate, up, weight and bias. Without a
+        gradient to form, and under torch.compile (which plans its own recomputation), it is
+        ``F.linear(glu(gate, up), weight, bias)``.
+    """
+    _check_glu_args(gate, up, activation)
+    check_tensor("weight", weight, like=gate, like_name="gate")
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
+        raise ValueError(f"weight must have shape [out_features, {gate.shape[-1]}] (the last dim of gate), "
+                         f"got {list(weight.shape)}")
+    if weight.dtype != gate.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal gate dtype {gate.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, like=gate, like_name="gate")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
+        if bias.dtype != gate.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} must equal gate dtype {gate.dtype}")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (gate, up, weight, bias))
+    if (not needs_grad or torch.compiler.is_compiling() or not use_kernels(gate) or gate.dtype == torch.float64
+            or gate.numel() == 0):
+        return torch.nn.functional.linear(glu(gate, up, activation), weight, bias)
+    shape, n = gate.shape, gate.shape[-1]
+    out = _GluLinearFunction.apply(as_rows(gate, n), as_rows(up, n), weight, bias, activation)
+    return out.view(*shape[:-1], weight.shape[0])

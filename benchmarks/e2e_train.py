@@ -3,8 +3,9 @@
 Providers (each runs in its own process, so that patches and allocator state don't leak):
   hf        transformers eager (sdpa attention), loss from materialized logits
   llmkernels  the same model after ``llmkernels.patch(model)``: RMSNorm, RoPE, the SwiGLU
-            MLP activation, fused linear cross-entropy (whatever the report says was patched
-            is recorded in the JSON)
+            MLP activation with its down projection (``glu_linear``: the product is recomputed
+            in the backward, not kept), fused linear cross-entropy (whatever the report says
+            was patched is recorded in the JSON)
   liger     ``liger_kernel.transformers.apply_liger_kernel_to_llama()`` (its defaults: RMSNorm,
             RoPE, SwiGLU, fused linear cross-entropy) before the model is built
   compile   ``torch.compile(model)`` of the HF model (inductor); compile time reported apart

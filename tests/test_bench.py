@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmkernels.bench import main, ops
-from llmkernels.bench import registry
+from llmkernels.bench import registry, report
 from llmkernels.bench.registry import MODES, Provider, Unavailable
 from llmkernels.bench.runner import TOL, Case, Runner, Settings
 
@@ -165,3 +165,21 @@ def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):
     assert data["meta"]["device"].startswith("cpu")
     assert [(r["kind"], r["status"]) for r in data["records"]] == [("check", "ok")] * len(
         ops()["rmsnorm"].small_shapes)
+
+
+def test_decode_is_timed_plain_and_in_a_cuda_graph(device):
+    """Decode sizes give two records per provider and mode: plain calls and a CUDA graph (every
+    mode captures, the bwd one with its forward on the capturing stream)."""
+    if device == "cpu":
+        pytest.skip("timing needs a GPU")
+    op = dataclasses.replace(ops()["rmsnorm"], decode_shapes=({"M": 8, "N": 4096},))
+    runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16,
+                             providers=["llmkernels", "torch"]), torch.device(device), log=print)
+    runner.selected_ops = lambda: [op]
+    records = [r for r in runner.run() if r["kind"] != "bandwidth"]
+    kinds = {(r["kind"], r["provider"], r["mode"]): r for r in records}
+    assert set(kinds) == {(k, p, m) for k in ("decode", "decode_graph") for p in ("llmkernels", "torch")
+                          for m in MODES}
+    assert all(r["status"] == "ok" and r["us"] > 0 for r in records), [(r["kind"], r["note"]) for r in records]
+    assert any(title.startswith("rmsnorm fwd bf16 decode — µs per call replayed from a CUDA graph")
+               for title, *_ in report.tables(records))

@@ -53,9 +53,11 @@ METHOD = (
     "(each input read once, each output written once) / median time of `triton.testing.do_bench` (L2 "
     "flushed before each call). bwd times the backward alone (`torch.autograd.grad` of a retained graph, "
     "every gradient); fwd+bwd the forward and the backward. % of copy: of the device-to-device copy "
-    "bandwidth measured in the same process (256 MiB, bytes read + written). Decode: µs per plain call "
-    "in a loop of back-to-back calls (CUDA events, median of 10 loops of 100 calls, no CUDA graph), so "
-    "Python, autograd and launch overhead count as an eager user sees them (they depend on the host CPU). "
+    "bandwidth measured in the same process (256 MiB, bytes read + written). Decode, two ways: µs per plain "
+    "call in a loop of back-to-back calls (CUDA events, median of 10 loops of 100 calls), so Python, "
+    "autograd and launch overhead count as an eager user sees them (they depend on the host CPU); and µs "
+    "per call of 20 calls captured in one CUDA graph (median of 10 replays): the GPU time alone, as a "
+    "graph-captured decode step pays it. "
     "llmkernels vs best peer: the fastest other provider's time over llmkernels' time.")
 
 
@@ -74,7 +76,7 @@ def _parser(registry: dict) -> argparse.ArgumentParser:
     p.add_argument("--providers", nargs="+", choices=providers, metavar="P",
                    help=f"providers (default: all importable): {', '.join(providers)}")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time decode sizes (M in 1..256, N=4096) as µs per call")
+                   help="also time decode sizes (M in 1..256, N=4096) as µs per call: plain calls and in a CUDA graph")
     p.add_argument("--quick", action="store_true", help="fewer sizes (3 N, 3 decode M)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results/<device>-<date>)")
     return p

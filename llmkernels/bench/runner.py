@@ -1,10 +1,13 @@
 """Running the benchmark: the copy ceiling, the float64 check of every provider, the timings.
 
 Bandwidth cases are timed with ``triton.testing.do_bench`` (median; it flushes L2 before each
-call). Decode cases (small M) are the latency an eager user sees: CUDA events around a loop of
-``DECODE_CALLS`` back-to-back plain calls (no CUDA graph), median of ``DECODE_REPEATS`` loops, so
-Python, autograd and launch overhead count. ``do_bench`` suits them badly: the CPU launches the
-call while the GPU still flushes L2, so it reports neither the GPU time nor the user's latency.
+call). Decode cases (small M) are timed twice. ``decode``: the latency an eager user sees, CUDA
+events around a loop of ``DECODE_CALLS`` back-to-back plain calls, median of ``DECODE_REPEATS``
+loops, so Python, autograd and launch overhead count. ``decode_graph``: the GPU time alone, as a
+decode step captured in a CUDA graph pays it (vLLM, SGLang, ``torch.compile(mode="reduce-overhead")``):
+``GRAPH_CALLS`` calls captured in one graph, replayed, median of ``DECODE_REPEATS`` replays.
+``do_bench`` suits neither: the CPU launches the call while the GPU still flushes L2, so it
+reports neither the GPU time nor the user's latency.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 WARMUP_MS, REP_MS = 10, 50
 DECODE_CALLS, DECODE_REPEATS = 100, 10
+GRAPH_CALLS = 20
 COPY_BYTES = 2**28
 
 
@@ -77,6 +81,34 @@ def _latency_ms(fn) -> float:
         end.synchronize()
         if i:  # the first loop warms up
             times.append(start.elapsed_time(end) / DECODE_CALLS)
+    return statistics.median(times)
+
+
+def _graph_latency_ms(make_timed) -> float:
+    """Per-call GPU time of ``GRAPH_CALLS`` calls of ``make_timed()`` captured in one CUDA graph.
+    The callable is made, warmed up and captured on a side stream, so that a backward's forward
+    (which ``make_timed`` runs for the bwd mode) is on the capturing stream too."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = make_timed()
+        for _ in range(3):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(GRAPH_CALLS):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(DECODE_REPEATS + 1):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i:  # the first replay warms up
+            times.append(start.elapsed_time(end) / GRAPH_CALLS)
+    del graph, fn
     return statistics.median(times)
 
 
@@ -304,8 +336,16 @@ class Runner:
                     timed = case.timed(fn, mode)
                     ms = _latency_ms(timed) if kind == "decode" else _bench_ms(timed)
                     del timed
-                    gbps = record["bytes"] / ms / 1e6
-                    record.update(status="ok", ms=ms, us=ms * 1e3, gbps=gbps, pct_copy=100 * gbps / self.copy_gbps)
+                    self._timed(record, ms)
+                    if kind == "decode":
+                        graph_record = dict(record, kind="decode_graph")
+                        self.records.append(graph_record)
+                        try:
+                            self._timed(graph_record, _graph_latency_ms(lambda: case.timed(fn, mode)))
+                        except Exception as exc:  # a provider that cannot be captured is reported
+                            graph_record.update(status="error", ms=None, us=None, gbps=None, pct_copy=None,
+                                                note=f"CUDA graph capture: {_short(exc)}")
+                            self.log(f"error: {name} {mode} {label} (CUDA graph): {graph_record['note']}")
                 else:
                     record["status"] = "ok"
             except torch.cuda.OutOfMemoryError:
@@ -316,6 +356,10 @@ class Runner:
                 self.log(f"{record['status']}: {name} {mode} {label}: {record['note']}")
                 free_memory()
             self.records.append(record)
+
+    def _timed(self, record: dict, ms: float) -> None:
+        gbps = record["bytes"] / ms / 1e6
+        record.update(status="ok", ms=ms, us=ms * 1e3, gbps=gbps, pct_copy=100 * gbps / self.copy_gbps)
 
     def _record(self, case: Case, kind: str, provider: str, mode: str) -> dict:
         return {"op": case.op.name, "kind": kind, "mode": mode, "provider": provider,

@@ -60,7 +60,7 @@ def main():
                                                     None, False)),
         ("lk.rms_norm no grad", lambda: lk.rms_norm(x, w)),
         ("lk.rms_norm grad-enabled inputs", lambda: lk.rms_norm(xg, wg)),
-        ("_norm_bwd launcher", lambda: N_._norm_bwd(dy, None, x, w, False, None, rstd_s, 1, 0.0, True, True,
+        ("_norm_bwd launcher", lambda: N_._norm_bwd(dy, None, x, w, None, None, rstd_s, 1, 0.0, True, True,
                                                     torch.bfloat16, None)),
         ("autograd.grad of lk.rms_norm", lambda: torch.autograd.grad(out, (xg, wg), dy, retain_graph=True)),
     ]
@@ -70,7 +70,7 @@ def main():
     prof.enable()
     for _ in range(500):
         lk.rms_norm(xg, wg)
-        N_._norm_bwd(dy, None, x, w, False, None, rstd_s, 1, 0.0, True, True, torch.bfloat16, None)
+        N_._norm_bwd(dy, None, x, w, None, None, rstd_s, 1, 0.0, True, True, torch.bfloat16, None)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 

@@ -77,8 +77,8 @@ def time_case(n, dtype, is_rms, residual, mode, records, ceiling, tag, cfg=None)
         xin = x if h is None else h
         dy = torch.randn_like(y)
         dh = torch.randn_like(h) if residual else None
-        fn = lambda: N_._norm_bwd(dy, dh, xin, w, b is not None, mean, rstd, 1, 0.0, is_rms, is_rms, x.dtype,
-                                  None if r is None else x.dtype, True)
+        fn = lambda: N_._norm_bwd(dy, dh, xin, w, None if b is None else b.dtype, mean, rstd, 1, 0.0, is_rms,
+                                  is_rms, x.dtype, None if r is None else x.dtype, True)
         units = units_bwd
     try:
         fn()

@@ -35,6 +35,10 @@ FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
 FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
+# Rows per backward program at least: each program's dW/dB partial is summed by a second kernel,
+# whose reads stay a quarter of the first's. Decode sizes on H100 (N = 4096, CUDA graphs,
+# benchmarks/results/decode-h100-2026-11-23/): M = 256 LayerNorm 22.8 -> ~9 us, RMSNorm 11.8 -> ~7.5.
+BWD_MIN_ROWS = 4
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
 # program of the grid is resident at once, which the exchange needs:
@@ -391,6 +395,29 @@ def _norm_bwd_split_kernel(
         tl.store(DB_PART + out, db_acc.to(DB_PART.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DW = the sum of the P rows of DW_PART [P, NCOLS] (fp32) in DW's dtype, DB likewise from
+    DB_PART: the backward's per-program partials, one launch for both (fixed order)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < NCOLS
+    acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, P, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < P)[:, None] & col_mask[None, :]
+        offs = parts.to(tl.int64)[:, None] * NCOLS + cols[None, :]
+        if HAS_W:
+            acc_w += tl.load(DW_PART + offs, mask=mask, other=0.0)
+        if HAS_B:
+            acc_b += tl.load(DB_PART + offs, mask=mask, other=0.0)
+    if HAS_W:
+        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_B:
+        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
 # --------------------------------------------------------------------------------------------
 # launch heuristics
 # --------------------------------------------------------------------------------------------
@@ -460,6 +487,11 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     if m == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
+    if one_pass and block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1):
+        # Too few rows to fill the GPU (decode sizes): a row per program, up to 16 warps (N = 4096,
+        # H100, CUDA graphs: 0.1-0.4 us faster than the bandwidth configs at M = 1-256;
+        # benchmarks/results/decode-h100-2026-11-23/decode_sweep.json).
+        block_m, num_warps = 1, max(num_warps, min(16, block_n // 256))
     n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     launch(_norm_fwd_kernel, grid,
@@ -475,14 +507,16 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     return y, h, mean, rstd
 
 
-def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weight_offset: float,
+def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd, heads: int, weight_offset: float,
               is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
               share_dres: bool = False):
     """Gradients of the forward above. ``xin [M, N]`` is the norm's input (``h`` with a
     residual); ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``.
     ``share_dres``: return dx itself as dresidual when the dtypes match (saves a write; only
     safe when neither input is a leaf whose ``.grad`` would then alias the other's).
-    Returns (dx, dresidual or None, dweight or None, dbias [heads * N] fp32 or None)."""
+    Returns (dx, dresidual or None, dweight or None, dbias [heads * N] of ``bias_dtype`` (None
+    without a bias))."""
+    has_bias = bias_dtype is not None
     m, n = xin.shape
     dev = xin.device
     dx = torch.empty((m, n), dtype=x_dtype, device=dev)
@@ -500,12 +534,14 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     if split is not None:
         parts, n_progs = split
     else:
-        n_progs = max(1, min(cdiv(rows_per_head, block_m),
+        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(rows_per_head, BWD_MIN_ROWS),
                              cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
-    # One program (decode sizes) writes dW directly in the weight's dtype: no partial to reduce.
-    dw_dtype = weight.dtype if (weight is not None and n_progs == 1) else torch.float32
-    dw_part = torch.empty((n_progs, heads * n), dtype=dw_dtype, device=dev) if weight is not None else None
-    db_part = torch.empty((n_progs, heads * n), dtype=torch.float32, device=dev) if has_bias else None
+    # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
+    one = n_progs == 1
+    dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)
+               if weight is not None else None)
+    db_part = torch.empty((n_progs, heads * n), dtype=bias_dtype if one else torch.float32,
+                          device=dev) if has_bias else None
     if m > 0 and split is not None:
         launch(_norm_bwd_split_kernel, (n_progs * parts,),
                xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
@@ -545,11 +581,17 @@ def _norm_bwd(dy, dh, xin, weight, has_bias: bool, mean, rstd, heads: int, weigh
     elif dw_part is not None or db_part is not None:
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()
-    dw = None
-    if weight is not None:
-        dw = (dw_part[0] if n_progs == 1 else dw_part.sum(0)).view(weight.shape).to(weight.dtype)
-    db = None if db_part is None else (db_part[0] if n_progs == 1 else db_part.sum(0))
-    return dx, dres, dw, db
+    if one:
+        dw, db = (None if dw_part is None else dw_part[0]), (None if db_part is None else db_part[0])
+    else:
+        dw = None if weight is None else torch.empty(heads * n, dtype=weight.dtype, device=dev)
+        db = torch.empty(heads * n, dtype=bias_dtype, device=dev) if has_bias else None
+        block_n = min(64, next_pow2(heads * n))
+        launch(_sum_partials_kernel, (cdiv(heads * n, block_n),), dw_part if dw is not None else db_part,
+               db_part if db is not None else dw_part, dw if dw is not None else db, db if db is not None else dw,
+               n_progs, heads * n, HAS_W=dw is not None, HAS_B=db is not None, BLOCK_P=32, BLOCK_N=block_n,
+               num_warps=4)
+    return dx, dres, None if dw is None else dw.view(weight.shape), db
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,9 +617,10 @@ class _NormFunction(torch.autograd.Function):
         bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype, share_dres = ctx.options
         n = xin.shape[1]
         dx, dres, dw, db = _norm_bwd(
-            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight, bias_meta is not None, mean, rstd,
-            heads, weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres)
-        db = None if bias_meta is None else db.view(bias_meta[0]).to(bias_meta[1])
+            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight,
+            None if bias_meta is None else bias_meta[1], mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype,
+            res_dtype, share_dres)
+        db = None if bias_meta is None else db.view(bias_meta[0])
         return dx, dw, db, dres, None, None, None, None, None, None, None, None
 
 
@@ -607,22 +650,23 @@ def _(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, ou
 
 @torch.library.custom_op("llmkernels::norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, weight: Optional[torch.Tensor],
-                 has_bias: bool, mean: Optional[torch.Tensor], rstd: torch.Tensor, heads: int, weight_offset: float,
+                 bias_dtype: Optional[torch.dtype], mean: Optional[torch.Tensor], rstd: torch.Tensor, heads: int,
+                 weight_offset: float,
                  is_rms: bool, quantize: bool, x_dtype: torch.dtype,
                  res_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Custom ops may not return outputs that alias each other: dresidual gets its own buffer.
-    dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms,
+    dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms,
                                  quantize, x_dtype, res_dtype)
     return (dx, _placeholder(xin) if dres is None else dres, _placeholder(xin) if dw is None else dw,
             _placeholder(xin) if db is None else db)
 
 
 @_norm_bwd_op.register_fake
-def _(dy, dh, xin, weight, has_bias, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype, res_dtype):
+def _(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype, res_dtype):
     m, n = xin.shape
     dres = _placeholder(xin) if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype)
     dw = _placeholder(xin) if weight is None else weight.new_empty(weight.shape)
-    db = xin.new_empty(heads * n, dtype=torch.float32) if has_bias else _placeholder(xin)
+    db = xin.new_empty(heads * n, dtype=bias_dtype) if bias_dtype is not None else _placeholder(xin)
     return xin.new_empty((m, n), dtype=x_dtype), dres, dw, db
 
 
@@ -639,9 +683,9 @@ def _norm_op_backward(ctx, dy, dh, dmean, drstd):
     bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
     has_dh = res_dtype is not None and dh is not None
     dx, dres, dw, db = _norm_bwd_op(dy.contiguous(), dh.contiguous() if has_dh else None, xin, weight,
-                                    bias_meta is not None, mean, rstd, heads, weight_offset, is_rms, quantize,
-                                    x_dtype, res_dtype)
-    db = None if bias_meta is None else db.view(bias_meta[0]).to(bias_meta[1])
+                                    None if bias_meta is None else bias_meta[1], mean, rstd, heads, weight_offset,
+                                    is_rms, quantize, x_dtype, res_dtype)
+    db = None if bias_meta is None else db.view(bias_meta[0])
     return (dx, dw if weight is not None else None, db,
             dres if res_dtype is not None else None, None, None, None, None, None, None, None)
 

@@ -14,6 +14,28 @@ from triton import knobs
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _interpreter_loop_bounds_compat() -> None:
+    """Triton < 3.7's interpreter turns a tensor loop bound (``range(tl.program_id(0), ...)``)
+    into an int with ``int(array)`` of a 1-element 1-D array, which NumPy >= 2.5 refuses
+    (TypeError: only 0-dimensional arrays ...); Triton 3.7+ squeezes first. Do the same there."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_llmkernels", False):
+        return
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        patch_tensor(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._llmkernels = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_loop_bounds_compat()
+
+
 def use_kernels(t: torch.Tensor) -> bool:
     """True when the Triton kernels can run on ``t``: a CUDA tensor, or a CPU tensor under the
     interpreter. Otherwise the ops fall back to ``llmkernels.reference``."""

@@ -35,10 +35,13 @@ FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
 FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
-# Rows per backward program at least: each program's dW/dB partial is summed by a second kernel,
-# whose reads stay a quarter of the first's. Decode sizes on H100 (N = 4096, CUDA graphs,
-# benchmarks/results/decode-h100-2026-11-23/): M = 256 LayerNorm 22.8 -> ~9 us, RMSNorm 11.8 -> ~7.5.
-BWD_MIN_ROWS = 4
+# Backward programs at most when the rows are few (decode sizes): each program takes its rows
+# as one tile and writes a dW/dB partial that a second kernel sums, so the latency is one tile
+# plus a sum over at most this many partials. H100 sweep (N = 4096, CUDA graphs,
+# benchmarks/results/decode-h100-2026-11-23/decode_sweep.json): M = 128 and 256 best with 64
+# programs of 2 and 4 rows (RMSNorm 6.5 / 7.5 us, LayerNorm 8.0 / 9.2; one program a row gave
+# 7.7 / 11.8 and 13.6 / 22.8).
+BWD_DECODE_PROGRAMS = 64
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
 # program of the grid is resident at once, which the exchange needs:
@@ -59,18 +62,30 @@ BWD_SPLIT = {
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _scale_shift(x_hat, W, B, w_offs, w_mask, weight_offset, in_ty: tl.constexpr,
+def _load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """The weight and bias tiles at ``w_offs`` (0.0 where absent), as stored. Loaded as full
+    [BLOCK_M, BLOCK_N] tiles (rows repeat from L1): a broadcast [1, BLOCK_N] row measured 10-25%
+    slower on H100 (a layout conversion per tile)."""
+    w = 0.0
+    b = 0.0
+    if HAS_W:
+        w = tl.load(W + w_offs, mask=w_mask, other=0.0)
+    if HAS_B:
+        b = tl.load(B + w_offs, mask=w_mask, other=0.0)
+    return w, b
+
+
+@triton.jit
+def _scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
-    """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama).
-    The weight is loaded as a full [BLOCK_M, BLOCK_N] tile (rows repeat from L1): a broadcast
-    [1, BLOCK_N] row measured 10-25% slower on H100 (a layout conversion per tile)."""
+    """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama)."""
     if QUANTIZE:
         x_hat = x_hat.to(in_ty).to(tl.float32)
     y = x_hat
     if HAS_W:
-        y = y * (tl.load(W + w_offs, mask=w_mask, other=0.0).to(tl.float32) + weight_offset)
+        y = y * (w.to(tl.float32) + weight_offset)
     if HAS_B:
-        y = y + tl.load(B + w_offs, mask=w_mask, other=0.0).to(tl.float32)
+        y = y + b.to(tl.float32)
     return y
 
 
@@ -82,10 +97,11 @@ def _norm_fwd_kernel(
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, EARLY_W: tl.constexpr,
 ):
     """Tiles of BLOCK_M rows; program p takes tiles p, p + programs, ... (one tile each on the
-    one-pass path, a persistent loop on the blocked one)."""
+    one-pass path, a persistent loop on the blocked one). EARLY_W (one-pass): the weight and
+    bias are loaded with the row, not after its reduction, so that their latency overlaps."""
     # The norm's input dtype: the residual stream's when there is one.
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
     for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
@@ -100,6 +116,8 @@ def _norm_fwd_kernel(
             cols = tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if EARLY_W:
+                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
             if HAS_RES:
                 r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
                 h = (x + r.to(tl.float32)).to(in_ty)
@@ -118,8 +136,9 @@ def _norm_fwd_kernel(
                 mean = shift + mean_shifted
                 rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(xs * xs, axis=1) / N - mean_shifted * mean_shifted, 0.0) + eps)
                 x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
-            y = _scale_shift(x * rstd[:, None], W, B, w_row + cols[None, :], mask, weight_offset, in_ty,
-                             HAS_W, HAS_B, QUANTIZE)
+            if not EARLY_W:
+                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+            y = _scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         else:
             # Pass 1: sum and sum of squares, shifted by the row's first element so that the
@@ -162,8 +181,9 @@ def _norm_fwd_kernel(
                 else:
                     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                                 eviction_policy="evict_first").to(tl.float32)
-                y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, w_row + cols[None, :], mask,
-                                 weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+                y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
+                                 QUANTIZE)
                 tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if STORE_STATS:
             tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -487,11 +507,12 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     if m == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
-    if one_pass and block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1):
-        # Too few rows to fill the GPU (decode sizes): a row per program, up to 16 warps (N = 4096,
-        # H100, CUDA graphs: 0.1-0.4 us faster than the bandwidth configs at M = 1-256;
-        # benchmarks/results/decode-h100-2026-11-23/decode_sweep.json).
-        block_m, num_warps = 1, max(num_warps, min(16, block_n // 256))
+    early_w = one_pass and block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1)
+    if early_w:
+        # Too few rows to fill the GPU (decode sizes): latency, not bandwidth. A row per program,
+        # 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs, M = 1-256:
+        # 0.2-0.5 us faster than the bandwidth configuration; benchmarks/results/decode-h100-2026-11-23/).
+        block_m, num_warps = 1, max(4, min(8, block_n // 512))
     n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     launch(_norm_fwd_kernel, grid,
@@ -502,7 +523,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
         eps, weight_offset,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         PER_HEAD=heads > 1, QUANTIZE=quantize, STORE_STATS=store_stats,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, EARLY_W=early_w, num_warps=num_warps,
     )
     return y, h, mean, rstd
 
@@ -525,17 +546,21 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
+    rows_per_head = m // heads
+    decode = m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= persistent_programs(dev, per_sm)
+    if one_pass and heads == 1 and decode:
+        # Few rows (decode sizes): every program takes its rows as one tile.
+        block_m = min(max(1, 16384 // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
+        num_warps = max(4, min(16, block_m * block_n // 512))
     split = None
     if not one_pass and heads == 1:
         split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
         split = split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
-    rows_per_head = m // heads
     if split is not None:
         parts, n_progs = split
     else:
-        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(rows_per_head, BWD_MIN_ROWS),
-                             cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
+        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
     # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
     one = n_progs == 1
     dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)

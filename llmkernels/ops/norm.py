@@ -35,12 +35,12 @@ FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
 FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
-# Backward programs at most when the rows are few (decode sizes): each program takes its rows
-# as one tile and writes a dW/dB partial that a second kernel sums, so the latency is one tile
-# plus a sum over at most this many partials. H100 sweep (N = 4096, CUDA graphs,
-# benchmarks/results/decode-h100-2026-11-23/decode_sweep.json): M = 128 and 256 best with 64
-# programs of 2 and 4 rows (RMSNorm 6.5 / 7.5 us, LayerNorm 8.0 / 9.2; one program a row gave
-# 7.7 / 11.8 and 13.6 / 22.8).
+# Backward programs at most when the rows are few (decode sizes, M <= 256): each program takes
+# its rows in as few tiles as fit and writes a dW/dB partial that a second kernel sums, so the
+# latency is about one tile plus a sum over at most this many partials. H100 sweep (N = 4096,
+# CUDA graphs, benchmarks/results/decode-h100-2026-11-23/decode_sweep.json): M = 128 and 256
+# best with ~64 programs of 2 and 4 rows (RMSNorm 6.5 / 7.5 us, LayerNorm 8.0 / 9.2; one
+# program a row gave 7.7 / 11.8 and 13.6 / 22.8).
 BWD_DECODE_PROGRAMS = 64
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
@@ -547,10 +547,13 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
     rows_per_head = m // heads
-    decode = m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= persistent_programs(dev, per_sm)
-    if one_pass and heads == 1 and decode:
-        # Few rows (decode sizes): every program takes its rows as one tile.
-        block_m = min(max(1, 16384 // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
+    decode = (one_pass and heads == 1 and m <= 4 * BWD_DECODE_PROGRAMS
+              and cdiv(m, block_m) <= persistent_programs(dev, per_sm))
+    if decode:
+        # Few rows (decode sizes): at most BWD_DECODE_PROGRAMS programs, each taking its rows as
+        # one tile (two for LayerNorm at M = 256: its dB accumulator spills at 16384 elements).
+        max_tile = 16384 if is_rms else 8192
+        block_m = min(max(1, max_tile // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
         num_warps = max(4, min(16, block_m * block_n // 512))
     split = None
     if not one_pass and heads == 1:
@@ -560,7 +563,8 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     if split is not None:
         parts, n_progs = split
     else:
-        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
+        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks),
+                             BWD_DECODE_PROGRAMS if decode else rows_per_head))
     # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
     one = n_progs == 1
     dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)

@@ -188,7 +188,7 @@ def test_glu_linear_against_float64(activation, dtype, bias):
         assert_close(a, w, dtype, name, scale=2.0)
 
 
-def test_glu_linear_equals_down_proj_of_glu_and_saves_two_tensors():
+def test_glu_linear_equals_down_proj_of_glu_and_saves_gate_up_and_weight():
     """Bitwise the output and gradients of ``down_proj(glu(gate, up))``, while autograd keeps
     gate, up and the weight (no [..., I] product): the backward recomputes it."""
     gate_up, weight, b = _glu_linear_leaves(torch.float32, bias=True, i=40, o=12)

@@ -563,8 +563,9 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     if split is not None:
         parts, n_progs = split
     else:
-        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks),
-                             BWD_DECODE_PROGRAMS if decode else rows_per_head))
+        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
+        if decode:
+            n_progs = min(n_progs, BWD_DECODE_PROGRAMS)
     # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
     one = n_progs == 1
     dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)

@@ -222,6 +222,25 @@ def test_glu_linear_frozen_weight_and_inference():
         assert torch.equal(llmkernels.glu_linear(gate, up, weight), out)
 
 
+def test_glu_linear_torch_compile_fullgraph():
+    """Under torch.compile glu_linear is F.linear of the glu custom op: no graph break, and the
+    output and gradients equal eager."""
+    backend = "aot_eager" if INTERPRETED else "inductor"
+    gate_up, weight, b = _glu_linear_leaves(torch.float32, bias=True)
+
+    def fn(gate_up, weight, b):
+        return llmkernels.glu_linear(*gate_up.chunk(2, dim=-1), weight, b, "gelu_tanh")
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    out, want = compiled(gate_up, weight, b), fn(gate_up, weight, b)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    d_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (gate_up, weight, b), d_out)
+    ref = torch.autograd.grad(want, (gate_up, weight, b), d_out)
+    for a, w in zip(got, ref):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)
+
+
 def _bad_cases():
     gate = torch.randn(4, 8, device=DEVICE)
     return [

@@ -507,11 +507,12 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     if m == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
-    early_w = one_pass and block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1)
+    early_w = one_pass and 1024 <= block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1)
     if early_w:
-        # Too few rows to fill the GPU (decode sizes): latency, not bandwidth. A row per program,
-        # 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs, M = 1-256:
-        # 0.2-0.5 us faster than the bandwidth configuration; benchmarks/results/decode-h100-2026-11-23/).
+        # Too few rows of 1K-8K elements to fill the GPU (decode sizes): latency, not bandwidth. A
+        # row per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs,
+        # M = 1-256: 0.2-0.5 us faster than the bandwidth configuration;
+        # benchmarks/results/decode-h100-2026-11-23/).
         block_m, num_warps = 1, max(4, min(8, block_n // 512))
     n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
@@ -553,7 +554,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         # Few rows (decode sizes): at most BWD_DECODE_PROGRAMS programs, each taking its rows as
         # one tile (two for LayerNorm at M = 256: its dB accumulator spills at 16384 elements).
         max_tile = 16384 if is_rms else 8192
-        block_m = min(max(1, max_tile // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
+        block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
         num_warps = max(4, min(16, block_m * block_n // 512))
     split = None
     if not one_pass and heads == 1:

@@ -1,7 +1,8 @@
 """Launch configurations of the norm kernels at decode sizes (M = 1..256 rows, N = 4096, bf16),
 timed as calls replayed from a CUDA graph (the GPU time alone; ``llmkernels.bench``'s
 ``decode_graph`` timing). Forward with the statistics stored (as in training), backward with
-the dW/dB partials summed. Used to choose the small-M rules in ``llmkernels/ops/norm.py``.
+the dW/dB partials summed. Used to choose the small-M rules of ``_fwd_config`` and
+``_bwd_config`` in ``llmkernels/ops/norm.py`` (each sweep replaces them with a fixed configuration).
 
     python benchmarks/decode_sweep.py            # writes $OUT/decode_sweep.json (or ./)
 """
@@ -42,20 +43,24 @@ def main():
         base = {"op": "rms" if is_rms else "ln", "n": N, "m": m}
         records.append(dict(base, which="fwd", cfg="default", us=time_us(fwd)))
         records.append(dict(base, which="bwd", cfg="default", us=time_us(bwd)))
-        for block_m, warps in itertools.product([1, 2, 4], [2, 4, 8, 16]):
+        # (BLOCK_M, BLOCK_N, warps, one_pass, programs per SM, weight loaded with the row)
+        for block_m, warps, early in itertools.product([1, 2, 4], [2, 4, 8, 16], [False, True]):
             if block_m <= m:
-                N_._fwd_config = lambda *_, c=(block_m, N, warps, True, 0): c
+                cfg = (block_m, N, warps, True, 0, early)
+                N_._fwd_config = lambda *_, c=cfg: c
                 try:
-                    records.append(dict(base, which="fwd", cfg=[block_m, N, warps, True, 0], us=time_us(fwd)))
+                    records.append(dict(base, which="fwd", cfg=list(cfg), us=time_us(fwd)))
                 finally:
                     N_._fwd_config = default_fwd
-        # programs per SM below 1: fewer programs than SMs (fewer partials to sum)
+        # (BLOCK_M, BLOCK_N, warps, one_pass, programs per SM, no program cap); programs per SM
+        # below 1: fewer programs than SMs (fewer partials to sum)
         for block_m, warps, per_sm in itertools.product([1, 2, 4], [4, 8, 16], [0.25, 0.5, 1, 2]):
             if block_m <= m:
-                N_._bwd_config = lambda *_, c=(block_m, N, warps, True, per_sm): c
+                cfg = (block_m, N, warps, True, per_sm, 0)
+                N_._bwd_config = lambda *_, c=cfg: c
                 N_.persistent_programs = lambda device, k: max(1, int(sms * k))
                 try:
-                    records.append(dict(base, which="bwd", cfg=[block_m, N, warps, True, per_sm], us=time_us(bwd)))
+                    records.append(dict(base, which="bwd", cfg=list(cfg), us=time_us(bwd)))
                 finally:
                     N_._bwd_config, N_.persistent_programs = default_bwd, default_programs
         for which in ("fwd", "bwd"):

@@ -113,10 +113,11 @@ def main():
             for mode in args.which.split(","):
                 best = None
                 for cfg in (fwd_candidates(n) if mode == "fwd" else bwd_candidates(n)):
+                    # the configs' last field (early weight load, program cap) stays off at these sizes
                     if mode == "fwd":
-                        N_._fwd_config = lambda n_, m_, is_rms_=True, cfg=cfg: cfg
+                        N_._fwd_config = lambda *_, cfg=cfg: cfg + (False,)
                     else:
-                        N_._bwd_config = lambda n_, m_, is_rms_=True, cfg=cfg: cfg
+                        N_._bwd_config = lambda *_, cfg=cfg: cfg + (0,)
                     rec = time_case(n, torch.bfloat16, args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
                     if rec and (best is None or rec["gbps"] > best["gbps"]):
                         best = rec

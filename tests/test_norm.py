@@ -366,16 +366,32 @@ def test_errors(device):
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
-        bm, bn, warps, one_pass, per_sm = norm_ops._fwd_config(n, m, is_rms)
-        assert per_sm >= 0
-        assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-        assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
-        assert bm * bn <= 65536
-        bm, bn, warps, one_pass, per_sm = norm_ops._bwd_config(n, m, is_rms)
-        assert per_sm >= 1
-        assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-        assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
-        assert bm * bn <= 65536
+        for sms in (0, 132):
+            bm, bn, warps, one_pass, per_sm, early_w = norm_ops._fwd_config(n, m, is_rms, sms)
+            assert per_sm >= 0 and (not early_w or (one_pass and bm == 1 and sms > 0))
+            assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
+            assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
+            assert bm * bn <= 65536
+            bm, bn, warps, one_pass, per_sm, max_programs = norm_ops._bwd_config(n, m, is_rms, sms)
+            assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
+            assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
+            assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
+            assert bm * bn <= 65536
+
+
+def test_decode_rules_are_the_measured_configs():
+    """Decode sizes on 132 SMs (N = 4096, benchmarks/results/decode-h100-2026-11-23/): the forward
+    takes a row a program at 8 warps with the weight loaded early; the backward at most 64
+    programs of one tile each (LayerNorm: two tiles of 2 rows at M = 256); training sizes and an
+    unknown SM count keep the bandwidth tables."""
+    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 0, True)
+    assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
+    assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
+    assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured
+    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64)
+    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 2, 64)
+    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64)
+    assert norm_ops._bwd_config(4096, 2**15, True, 132)[-1] == 0
 
 
 def test_cpu_without_interpreter_uses_reference():

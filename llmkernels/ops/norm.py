@@ -441,9 +441,10 @@ def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr
 # --------------------------------------------------------------------------------------------
 # launch heuristics
 # --------------------------------------------------------------------------------------------
-def _fwd_config(n: int, m: int, is_rms: bool = True):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the forward of M rows of
-    N elements; programs per SM 0 = one program per tile (no persistent loop).
+def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, early_w) for the forward of M
+    rows of N elements on ``sms`` multiprocessors (0: unknown, no decode rule); programs per SM
+    0 = one program per tile (no persistent loop); early_w: the weight loaded with the row.
 
     H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
     up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
@@ -451,17 +452,24 @@ def _fwd_config(n: int, m: int, is_rms: bool = True):
     32768: about 64 elements a thread for RMSNorm; LayerNorm 4 warps (two programs an SM) up to
     16384 (97-99%; 8 or 16 warps: 73-78%), 32 warps at 32768 (96%). Wider rows loop over
     16384-element chunks with 32 warps (a persistent grid measured no better).
+
+    Too few rows of 1K-8K elements to fill the GPU (decode sizes): latency, not bandwidth. A row
+    per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs, M = 1-256:
+    0.2-0.5 us faster than the bandwidth configuration; benchmarks/results/decode-h100-2026-11-23/).
     """
     if n > FWD_ONE_PASS_MAX:
-        return FWD_BLOCKED
+        return FWD_BLOCKED + (False,)
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
         tile = 8192 if is_rms else 4096
         block_m = min(max(1, tile // block_n), next_pow2(m))
-        return block_m, block_n, max(4, block_m * block_n // 1024), True, 0
-    if is_rms:
-        return 1, block_n, max(4, block_n // 2048), True, 0
-    return 1, block_n, 32 if block_n == 32768 else 4, True, 0
+        num_warps = max(4, block_m * block_n // 1024)
+    else:
+        block_m = 1
+        num_warps = max(4, block_n // 2048) if is_rms else (32 if block_n == 32768 else 4)
+    if 1024 <= block_n <= 8192 and cdiv(m, block_m) < sms:
+        return 1, block_n, max(4, min(8, block_n // 512)), True, 0, True
+    return block_m, block_n, num_warps, True, 0, False
 
 
 # block_n -> (tile elements, num_warps, programs per SM) of the one-pass backward (H100 sweep).
@@ -471,19 +479,28 @@ _BWD_TABLE = {
 }
 
 
-def _bwd_config(n: int, m: int, is_rms: bool = True):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM) for the backward.
+def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, most programs or 0) for the
+    backward on ``sms`` multiprocessors (0: unknown, no decode rule).
 
     LayerNorm keeps a dB accumulator beside dW; a 16384-wide row then spills registers (fp32:
     14% of copy on H100, bf16: 51%), so LayerNorm rows over 8192 leave the one-pass kernel
     (for the split one where it applies).
+
+    Few rows (decode sizes: M <= 4 * BWD_DECODE_PROGRAMS, no more tiles than persistent
+    programs): at most BWD_DECODE_PROGRAMS programs, each taking its rows as one tile (two for
+    LayerNorm at M = 256: 8192-element tiles at most, for the same spills).
     """
     if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
-        return BWD_BLOCKED
+        return BWD_BLOCKED + (0,)
     block_n = max(16, next_pow2(n))
     tile, num_warps, per_sm = _BWD_TABLE[is_rms][max(1024, block_n)]
     block_m = min(max(1, tile // block_n), next_pow2(m))
-    return block_m, block_n, num_warps, True, per_sm
+    if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
+        max_tile = 16384 if is_rms else 8192
+        block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
+        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS
+    return block_m, block_n, num_warps, True, per_sm, 0
 
 
 def _split_config(is_rms: bool, elem_size: int):
@@ -506,14 +523,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, per_sm = _fwd_config(n, m, is_rms)
-    early_w = one_pass and 1024 <= block_n <= 8192 and cdiv(m, block_m) < persistent_programs(dev, 1)
-    if early_w:
-        # Too few rows of 1K-8K elements to fill the GPU (decode sizes): latency, not bandwidth. A
-        # row per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs,
-        # M = 1-256: 0.2-0.5 us faster than the bandwidth configuration;
-        # benchmarks/results/decode-h100-2026-11-23/).
-        block_m, num_warps = 1, max(4, min(8, block_n // 512))
+    block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1))
     n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     launch(_norm_fwd_kernel, grid,
@@ -546,16 +556,10 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     if res_dtype is not None:
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
-    block_m, block_n, num_warps, one_pass, per_sm = _bwd_config(n, m, is_rms)
+    # The decode rule is measured for one weight row (heads == 1) only.
+    block_m, block_n, num_warps, one_pass, per_sm, max_programs = _bwd_config(
+        n, m, is_rms, persistent_programs(dev, 1) if heads == 1 else 0)
     rows_per_head = m // heads
-    decode = (one_pass and heads == 1 and m <= 4 * BWD_DECODE_PROGRAMS
-              and cdiv(m, block_m) <= persistent_programs(dev, per_sm))
-    if decode:
-        # Few rows (decode sizes): at most BWD_DECODE_PROGRAMS programs, each taking its rows as
-        # one tile (two for LayerNorm at M = 256: its dB accumulator spills at 16384 elements).
-        max_tile = 16384 if is_rms else 8192
-        block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
-        num_warps = max(4, min(16, block_m * block_n // 512))
     split = None
     if not one_pass and heads == 1:
         split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
@@ -565,8 +569,8 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         parts, n_progs = split
     else:
         n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
-        if decode:
-            n_progs = min(n_progs, BWD_DECODE_PROGRAMS)
+        if max_programs:
+            n_progs = min(n_progs, max_programs)
     # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
     one = n_progs == 1
     dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)

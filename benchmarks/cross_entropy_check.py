@@ -32,6 +32,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels.bench.runner import copy_bandwidth
+from llmkernels.ops import _common as common_ops
 from llmkernels.ops import cross_entropy as ce_ops
 
 CE_SHAPES = [(8192, 32000), (8192, 128256), (4096, 262144)]
@@ -97,38 +98,36 @@ def check_ce_big(x, t):
     return out
 
 
-# Launch configurations tried by --sweep: name -> (CHUNK, warps, CHUNK_ROWS, PER_SM_FWD, programs
-# per SM of the gradient passes, FUSED_EVICT); the forward, the in-place fwd+bwd and the default
-# fwd+bwd of each. One warps value for every pass (CHUNK_WARPS, FUSED_WARPS, BWD_WARPS) and one
-# per-SM value for both gradient passes (PER_SM_GRAD, PER_SM_BWD), as when these were one knob.
+# Launch configurations tried by --sweep (the in-place fwd+bwd of each; the forward alone for
+# the two-pass entry): name -> {knob: value}, a knob being a module-level setting of
+# llmkernels.ops.cross_entropy (or, with a "_common." prefix, of llmkernels.ops._common).
 SWEEP = {
-    "c8k-w16-r1-p0/4-LF": (8192, 16, 1, 0, 4, ("evict_last", "evict_first")),
-    "c8k-w16-r1-p0/3-LF": (8192, 16, 1, 0, 3, ("evict_last", "evict_first")),
-    "c8k-w16-r1-p0/0-LF": (8192, 16, 1, 0, 0, ("evict_last", "evict_first")),
-    "c8k-w16-r1-p0/3-NN": (8192, 16, 1, 0, 3, ("", "")),
-    "c8k-w16-r1-p0/3-NF": (8192, 16, 1, 0, 3, ("", "evict_first")),
-    "c8k-w16-r2-p0/2-LF": (8192, 16, 2, 0, 2, ("evict_last", "evict_first")),
-    "c4k-w8-r1-p0/6-NN": (4096, 8, 1, 0, 6, ("", "")),
-    "c4k-w8-r2-p0/3-LF": (4096, 8, 2, 0, 3, ("evict_last", "evict_first")),
-    "c4k-w8-r2-p0/0-NN": (4096, 8, 2, 0, 0, ("", "")),
-    "c2k-w4-r4-p0/0-NN": (2048, 4, 4, 0, 0, ("", "")),
+    "split-16k-w8": {"FUSED_SPLIT_V": 16384, "FUSED_SPLIT_WARPS": 8},
+    "split-16k-w16": {"FUSED_SPLIT_V": 16384, "FUSED_SPLIT_WARPS": 16},
+    "split-32k-w16": {"FUSED_SPLIT_V": 32768, "FUSED_SPLIT_WARPS": 16},
+    "split-32k-w32": {"FUSED_SPLIT_V": 32768, "FUSED_SPLIT_WARPS": 32},
+    "two-pass": {"_common.ROW_SPLIT": False},  # each row read twice by one program (before the split)
 }
-KNOBS = (("CHUNK",), ("CHUNK_WARPS", "FUSED_WARPS", "BWD_WARPS"), ("CHUNK_ROWS",), ("PER_SM_FWD",),
-         ("PER_SM_GRAD", "PER_SM_BWD"), ("FUSED_EVICT",))
+
+
+def _module_and_name(knob):
+    return (common_ops, knob[len("_common."):]) if knob.startswith("_common.") else (ce_ops, knob)
 
 
 def set_config(values):
     """Set the knobs of one SWEEP entry; returns the settings they replaced (for ``restore``)."""
-    saved = {name: getattr(ce_ops, name) for names in KNOBS for name in names}
-    for names, value in zip(KNOBS, values):
-        for name in names:
-            setattr(ce_ops, name, value)
+    saved = {}
+    for knob, value in values.items():
+        module, name = _module_and_name(knob)
+        saved[knob] = getattr(module, name)
+        setattr(module, name, value)
     return saved
 
 
 def restore(saved):
-    for name, value in saved.items():
-        setattr(ce_ops, name, value)
+    for knob, value in saved.items():
+        module, name = _module_and_name(knob)
+        setattr(module, name, value)
 
 
 def main():
@@ -174,15 +173,13 @@ def main():
                 record(op="cross_entropy", mode=mode, provider=name, M=m, V=v, ms=ms,
                        gbps=nbytes[mode] / ms / 1e6)
                 del xi
-            if args.sweep:
+            if args.sweep and mode == "fwd+bwd":  # the swept settings are those of the in-place pass
                 for cfg, values in SWEEP.items():
                     saved = set_config(values)
-                    names = ["llmkernels"] if mode == "fwd" else ["llmkernels_inplace", "llmkernels"]
-                    for name in names:
-                        ms = time_ce(provs[name], x.clone(), t, mode)
-                        record(op="cross_entropy", mode=mode, provider=f"{name}[{cfg}]", M=m, V=v, ms=ms,
-                               gbps=nbytes[mode] / ms / 1e6)
+                    ms = time_ce(provs["llmkernels_inplace"], x.clone(), t, mode)
                     restore(saved)
+                    record(op="cross_entropy", mode=mode, provider=f"llmkernels_inplace[{cfg}]", M=m, V=v, ms=ms,
+                           gbps=nbytes[mode] / ms / 1e6)
         del x
         torch.cuda.empty_cache()
 

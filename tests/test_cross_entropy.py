@@ -125,6 +125,30 @@ def test_forward_split_over_programs(opts, device, monkeypatch):
         lk.cross_entropy(logits, bad)
 
 
+@pytest.mark.parametrize("opts", ["plain", "all"])
+def test_inplace_rows_split_over_programs(opts, device, monkeypatch):
+    """The in-place pass over rows wider than one program: programs sharing a row hold their
+    slices in registers (the logits are read once) and exchange the row's statistics. On a GPU
+    1024-column slices give 20 parts a row, the last partly masked, and the -inf columns fill
+    whole parts; the interpreter runs programs one after another, so there one holds the row."""
+    block = 1024 if device == "cuda" else 32768
+    monkeypatch.setattr(ce_ops, "FUSED_SPLIT_V", block)
+    m, v = (37, 20000) if device == "cuda" else (5, 20000)
+    assert ce_ops.split_grid(v, m, block, torch.device(device))[0] == -(-v // block)
+    logits, target = make_case(m, v, torch.bfloat16, device, ignored=(0,))
+    kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
+    for reduction in ("mean", "none"):
+        check_ce(logits, target, reduction=reduction, inplace=True, **kwargs)
+    if opts == "plain":  # a masked vocabulary range (label smoothing would make the loss infinite)
+        logits[:, 2048:5000] = float("-inf")
+        target[(target >= 2048) & (target < 5000)] = 7
+        check_ce(logits, target, inplace=True)
+    bad = target.clone()
+    bad[2] = v
+    with pytest.raises(ValueError, match=r"target\[2\] = 20000 is outside"):
+        lk.cross_entropy(logits.clone().requires_grad_(), bad, inplace_backward=True)
+
+
 def test_forward_only_and_default_output(device):
     logits, target = make_case(17, 4099, torch.bfloat16, device)
     loss = lk.cross_entropy(logits, target)

@@ -11,10 +11,11 @@ the per-row statistics, under 0.1% at these sizes, are not counted):
   fwd+bwd   logits read once, gradient written once:   2 M V e
 
 The fwd+bwd bound needs the gradient formed in the forward pass from a single read of the
-logits; ``llmkernels.cross_entropy(..., inplace_backward=True)`` and Liger form it in the forward
-but re-read each row. The default llmkernels path re-reads the logits in the backward (3 M V e),
-so that the logits stay intact and the backward can run more than once, as this benchmark's bwd
-mode does. ``benchmarks/cross_entropy_check.py`` also times the in-place path.
+logits: ``llmkernels_inplace`` (``cross_entropy(..., inplace_backward=True)``) does that, each
+row's slices held in registers by the programs sharing it; Liger forms it in the forward too, over
+the logits, but re-reads each row. Both overwrite the logits (``Provider.mutates``: checked on
+copies, no bwd mode). The default llmkernels path re-reads the logits in the backward (3 M V e),
+so that the logits stay intact and the backward can run more than once, as the bwd mode does.
 """
 from __future__ import annotations
 
@@ -77,8 +78,10 @@ register(Op(
         # The default's target check reads a flag from the device: one sync per call, which
         # leaves the GPU idle while the host catches up. This row times the op without it.
         "llmkernels_unchecked": Provider(lambda: functools.partial(llmkernels.cross_entropy, check_targets=False)),
+        "llmkernels_inplace": Provider(lambda: functools.partial(llmkernels.cross_entropy, inplace_backward=True),
+                                       mutates=True),
         "torch": Provider(lambda: _torch_ce),
         "torch_compile": Provider(lambda: compile_static(_torch_ce)),
-        "liger": Provider(_liger_factory, gpu_only=True),
+        "liger": Provider(_liger_factory, gpu_only=True, mutates=True),
     },
 ))

@@ -62,11 +62,15 @@ class Provider:
         grad_outputs)``, so each provider computes every gradient the op declares.
     gpu_only: True when the provider cannot run on CPU tensors (no interpreter path): it is
         skipped, with that reason, on a machine without a GPU.
+    mutates: True when a forward that needs gradients writes into its inputs (a gradient formed
+        in the forward over the logits): each checked call gets its own copy of the inputs, the
+        timed calls share one, and the bwd mode (a repeated backward of one forward) is not run.
     """
 
     factory: Callable[[], Callable[..., Outputs]]
     backward: bool = True
     gpu_only: bool = False
+    mutates: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ def _key(r: dict) -> tuple:
 
 
 def add_speedups(records: list) -> None:
-    """Set ``speedup_vs_best_peer`` and ``best_peer`` on each llmkernels record: the fastest
-    other provider that passed its check, and its time over ours (same bytes: the GB/s ratio)."""
+    """Set ``speedup_vs_best_peer`` and ``best_peer`` on each llmkernels record (and each
+    llmkernels_* variant's): the fastest other provider that passed its check, and its time
+    over ours (same bytes: the GB/s ratio)."""
     groups = defaultdict(list)
     for r in records:
         groups[_key(r)].append(r)
@@ -25,7 +26,7 @@ def add_speedups(records: list) -> None:
         peers = [r for r in group if not r["provider"].startswith(OURS) and r["status"] == "ok" and r["ms"]]
         best = min(peers, key=lambda r: r["ms"], default=None)
         for r in group:
-            if r["provider"] == OURS:
+            if r["provider"].startswith(OURS):
                 ok = best is not None and r["status"] == "ok" and r["ms"]
                 r["best_peer"] = best["provider"] if best else None
                 r["speedup_vs_best_peer"] = best["ms"] / r["ms"] if ok else None

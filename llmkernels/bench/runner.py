@@ -180,9 +180,11 @@ class Case:
                                             [g.double() for g in self.grad_outputs])
             self.ref.update({f"d{k}": g for k, g in zip(op.grad_inputs, ref_grads)})
 
-    def leaves(self, grads: bool) -> dict:
-        """The inputs as fresh autograd leaves (same storage), requiring grad when ``grads``."""
-        return {k: v.detach().requires_grad_(grads and k in self.op.grad_inputs) for k, v in self.inputs.items()}
+    def leaves(self, grads: bool, copy: bool = False) -> dict:
+        """The inputs as fresh autograd leaves (same storage, or copies when ``copy``), requiring
+        grad when ``grads``."""
+        return {k: (v.detach().clone() if copy else v.detach()).requires_grad_(grads and k in self.op.grad_inputs)
+                for k, v in self.inputs.items()}
 
     def forward(self, fn, leaves) -> tuple:
         outs = _as_tuple(fn(**leaves))
@@ -195,14 +197,17 @@ class Case:
         grad_outputs = [g.to(o.dtype) for g, o in zip(self.grad_outputs, outs)]
         return outs, params, grad_outputs, retain
 
-    def check(self, fn, grads: bool) -> dict:
+    def check(self, fn, grads: bool, mutates: bool = False) -> dict:
         """Relative error of every output (and every gradient when ``grads``) of ``fn``. A first
-        call warms up (compilation, JIT); the checked call runs with poisoned allocations."""
-        leaves = self.leaves(grads)
+        call warms up (compilation, JIT); the checked call runs with poisoned allocations. With
+        ``mutates`` each call gets its own copy of the inputs."""
+        leaves = self.leaves(grads, copy=mutates)
         outs = self.forward(fn, leaves)
         if grads:
             torch.autograd.grad(*self.backward_args(outs, leaves, False))
         del outs
+        if mutates:
+            leaves = self.leaves(grads, copy=True)
         with poisoned():
             outs = self.forward(fn, leaves)
             got = dict(zip(self.op.outputs, outs))
@@ -211,10 +216,10 @@ class Case:
                                torch.autograd.grad(*self.backward_args(outs, leaves, False))))
         return {name: rel_err(t, self.ref[name]) for name, t in got.items()}
 
-    def timed(self, fn, mode: str):
+    def timed(self, fn, mode: str, mutates: bool = False):
         """The callable to time for ``mode``: the forward, the backward alone (of a retained
-        graph), or both."""
-        leaves = self.leaves(mode != "fwd")
+        graph), or both. With ``mutates`` the calls share a copy of the inputs."""
+        leaves = self.leaves(mode != "fwd", copy=mutates)
         if mode == "fwd":
             return lambda: fn(**leaves)
         outs = self.forward(fn, leaves)
@@ -317,13 +322,16 @@ class Runner:
         for mode in self.settings.modes:
             if mode != "fwd" and not provider.backward:
                 continue
+            if mode == "bwd" and provider.mutates:
+                self.log(f"not run: {name} bwd {label}: it forms its gradient in the forward (see fwd+bwd)")
+                continue
             if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:
                 continue  # without timing, fwd+bwd would repeat the bwd check
             grads = mode != "fwd"
             record = self._record(case, kind, name, mode)
             try:
                 if grads not in checks:
-                    checks[grads] = case.check(fn, grads)
+                    checks[grads] = case.check(fn, grads, provider.mutates)
                 errors = checks[grads]
                 worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
                 record.update(errors={k: _finite(v) for k, v in errors.items()},
@@ -333,7 +341,7 @@ class Runner:
                     self.log(f"FAILED check: {name} {mode} {label}: {worst} rel err {errors[worst]:.2e} "
                              f"> {TOL[case.dtype]:.0e}; not timed")
                 elif self.timing:
-                    timed = case.timed(fn, mode)
+                    timed = case.timed(fn, mode, provider.mutates)
                     ms = _latency_ms(timed) if kind == "decode" else _bench_ms(timed)
                     del timed
                     self._timed(record, ms)
@@ -341,7 +349,7 @@ class Runner:
                         graph_record = dict(record, kind="decode_graph")
                         self.records.append(graph_record)
                         try:
-                            self._timed(graph_record, _graph_latency_ms(lambda: case.timed(fn, mode)))
+                            self._timed(graph_record, _graph_latency_ms(lambda: case.timed(fn, mode, provider.mutates)))
                         except Exception as exc:  # a provider that cannot be captured is reported
                             graph_record.update(status="error", ms=None, us=None, gbps=None, pct_copy=None,
                                                 note=f"CUDA graph capture: {_short(exc)}")

@@ -166,4 +166,10 @@ def collect(SLOTS, mask):
     slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
     while tl.min(tl.ravel(slots >> 32), axis=0) == 0:
         slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
+    # A block smaller than the program is held in several copies (threads), each loaded on its
+    # own, and the loop's reduction need not look at every copy: a copy can still hold an
+    # unpublished slot (measured on H100: 14 of 120 cross-entropy calls took a zero for a
+    # sibling's part). Every slot is published by now, so such copies load it again.
+    stale = (slots >> 32) == 0
+    slots = tl.where(stale, tl.load(SLOTS, mask=mask & stale, other=0x100000000, volatile=True), slots)
     return (slots & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)

@@ -15,16 +15,16 @@ One kernel does everything, chosen by constexpr switches:
     of ``exp(z - max)`` rescaled whenever the max grows (the online logsumexp);
   - the backward re-reads the logits with the saved ``lse`` and writes the gradient times the
     upstream gradient (forward + backward: logits read twice, gradient written once);
-  - with ``inplace_backward`` the gradient is formed in the forward, in the same program right
-    after the row's statistics, and written over the logits, so training needs no second
-    ``[M, V]`` buffer. The row's second read goes in reverse chunk order so that the chunks read
-    last could come from L2; measured on H100 they mostly do not at V >= 32000 (too many rows in
-    flight for the 50 MB L2): with 32 warps this pass runs at 0.68-0.75 x copy (counting one read
-    and one write) against 0.62-0.64 for the forward and the separate backward
-    (benchmarks/results/cross-entropy-session4-h100-2026-11-22/). Rows of up to
-    ``ONE_BLOCK_MAX`` classes are held in registers and read exactly once. The backward only
-    multiplies the gradient by the upstream gradient in place, skipping rows where that is
-    exactly 1 (``loss.backward()``).
+  - with ``inplace_backward`` the gradient is formed in the forward and written over the logits,
+    so training needs no second ``[M, V]`` buffer, and the logits are read once: rows wider than
+    ``ONE_BLOCK_MAX`` are split over programs that each hold a ``FUSED_SPLIT_V``-column slice in
+    registers (as ``exp(z - max)``: one exp an element) and exchange the row's statistics
+    (``_ce_fused_split_kernel``). On H100 this pass runs at 0.86-0.90 x copy counting one read and
+    one write (benchmarks/results/cross-entropy-inplace-h100-2026-11-23/); the earlier pass,
+    which read each row twice in one program, 0.68-0.73 (it remains for the interpreter, which
+    cannot run programs that wait for each other). Rows of up to ``ONE_BLOCK_MAX`` classes are
+    held in registers by one program. The backward only multiplies the gradient by the
+    upstream gradient in place, skipping rows where that is exactly 1 (``loss.backward()``).
 Statistics are fp32 whatever the logits' dtype.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import cdiv, check_tensor, launch, next_pow2, persistent_programs, use_kernels
+from ._common import (cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish, split_grid,
+                      use_kernels)
 
 # Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
 # benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
@@ -48,12 +49,15 @@ CHUNK_ROWS = 1        # rows per program in the online loop
 CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/128256/262144 (was
                       # 8192 x 16: 0.82/0.94/0.94); benchmarks/results/cross_entropy-forward-*.txt
 PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
-PER_SM_GRAD = 4       # ... of the in-place pass, forward and gradient (bounds the rows kept in L2)
-FUSED_WARPS = 32      # warps of the in-place pass: 0.68-0.75 x copy at 8192 rows (8 warps: 0.55-0.59)
+PER_SM_GRAD = 4       # ... of the two-pass in-place pass (where rows are not split: the interpreter)
+FUSED_WARPS = 32      # its warps: 0.68-0.75 x copy at 8192 rows (8 warps: 0.55-0.59)
 BWD_WARPS = 32        # the separate backward: 16384 x 32 warps, 2 programs per SM: 0.93-0.94 x copy
 PER_SM_BWD = 2        # at 8192 rows (8 warps, 4 per SM: 0.74-0.80); sweeps in
                       # benchmarks/results/cross-entropy-session4-h100-2026-11-22/
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
+FUSED_SPLIT_V = 32768  # the in-place pass over rows split across programs: columns each holds, and
+FUSED_SPLIT_WARPS = 16  # warps: 0.86/0.90/0.88 x copy at V = 32000/128256/262144 (16384 x 16: 0.70/0.69/0.62;
+                        # 32768 x 32: 0.87/0.80/0.79); benchmarks/results/cross-entropy-inplace-h100-2026-11-23/
 
 SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this
                       # (few rows: the last wave of 250 KB rows left SMs idle; see _split_parts)
@@ -84,14 +88,31 @@ def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
-    """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
-    g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
-    g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
+def _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
+    """(p_coef, off, hot) of a row's gradient ``exp(z - lse) * p_coef - off - hot * onehot``
+    for the row's upstream ``scale``."""
+    p_coef = scale
+    if HAS_Z:
+        p_coef = scale * (1.0 + 2.0 * z_coef * lse)
+    if HAS_SMOOTHING:
+        off = scale * (smoothing / V)
+        hot = scale * (1.0 - smoothing)
+    else:
+        off = scale * 0.0
+        hot = scale
+    return p_coef, off, hot
+
+
+@triton.jit
+def _grad_tile(z, is_target, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
+    """d loss / d logits of softcapped logits ``z``; the row quantities come broadcastable to
+    ``z``'s shape."""
+    g = tl.exp(z - lse) * p_coef - off
+    g = tl.where(is_target, g - hot, g)
     if HAS_SOFTCAP:
         th = z / softcap
         g = g * (1.0 - th * th)
-    return tl.where(valid[:, None], g, 0.0)
+    return tl.where(valid, g, 0.0)
 
 
 @triton.jit
@@ -128,6 +149,14 @@ def _row_loss(X, rows64, stride_x, t, row_mask, lse, z_sum, V, ignore_index, smo
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(X + rows64 * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
     z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+    return _loss_terms(lse, z_t, z_sum, valid, in_range, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+
+
+@triton.jit
+def _loss_terms(lse, z_t, z_sum, valid, in_range, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr,
+                HAS_Z: tl.constexpr):
+    """A row's loss (0 where not ``valid``, NaN where the target is not ``in_range``) and its
+    z-loss part, from its lse, target logit ``z_t`` and sum of logits ``z_sum``."""
     if HAS_SMOOTHING:
         loss = lse - (1.0 - smoothing) * z_t - (smoothing / V) * z_sum
     else:
@@ -199,18 +228,12 @@ def _ce_kernel(
             if HAS_G:
                 scale *= tl.load(G + rows64 * stride_g, mask=row_mask, other=0.0).to(tl.float32)
             scale = tl.where(bad, float("nan"), scale)
-            p_coef = scale
-            if HAS_Z:
-                p_coef = scale * (1.0 + 2.0 * z_coef * lse)
-            if HAS_SMOOTHING:
-                off = scale * (smoothing / V)
-                hot = scale * (1.0 - smoothing)
-            else:
-                off = tl.zeros([BLOCK_M], dtype=tl.float32)
-                hot = scale
+            p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+            p_coef, off, hot, lse2 = p_coef[:, None], off[:, None], hot[:, None], lse[:, None]
             dx_row = DX + rows64[:, None] * stride_dx
             if ONE_BLOCK:
-                g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                g = _grad_tile(z, cols[None, :] == t[:, None], lse2, p_coef, off, hot, valid[:, None], softcap,
+                               HAS_SOFTCAP)
                 tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
             else:
                 # Reverse chunk order: the chunks the forward read last are still in L2.
@@ -220,8 +243,112 @@ def _ce_kernel(
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
                     z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
-                    g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                    g = _grad_tile(z, cols[None, :] == t[:, None], lse2, p_coef, off, hot, valid[:, None], softcap,
+                                   HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slice_load(X, row, stride_x, cols, M, V):
+    """Columns ``cols`` of a row of logits, -inf past V; nothing is read for a row past the last."""
+    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, V, 0), other=float("-inf"))
+
+
+@triton.jit
+def _ce_fused_split_kernel(
+    X, T, LOSS, ZLOSS, LSE, DX, COUNT, SLOTS,
+    M, V, stride_x, stride_dx, ignore_index, smoothing, z_coef, softcap,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, STORE_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The forward with the gradient (upstream gradient 1, times 1 / COUNT for ``mean``) of
+    rows too wide for one program, reading the logits once: ``PARTS`` programs share each row,
+    each holding a ``BLOCK_V``-column slice of it in registers, as ``e = exp(z - m)`` with m the
+    slice's max (one exp an element: the gradient is ``e * exp(m - lse)`` scaled). Each publishes
+    m, the sum of e and (label smoothing) the sum of z to ``SLOTS [M, PARTS, 4]`` (int64,
+    zeroed; see ``publish``/``collect``); part 0 also loads and publishes z[target]. Each then
+    loads its slice of the group's next row, collects the row's values, forms lse and writes
+    its slice of the gradient to DX, then the one-hot term at the target if the target is in
+    its slice. DX may be X: a row is written only after every part has published, that is,
+    after every read of the row. Part 0 writes the row's LOSS, ZLOSS and LSE.
+    Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ..."""
+    part = tl.program_id(0) % PARTS
+    group = tl.program_id(0) // PARTS
+    groups = tl.num_programs(0) // PARTS
+    cols = part * BLOCK_V + tl.arange(0, BLOCK_V)
+    if MEAN:
+        count_scale = 1.0 / tl.load(COUNT).to(tl.float32)
+    else:
+        count_scale = 1.0
+    slot_part = tl.arange(0, PARTS_POW2)[:, None]
+    slot_kind = tl.arange(0, 4)[None, :]  # max, sum of e, sum of z, z[target] (part 0's)
+    slot_mask = (slot_part < PARTS) & ((slot_kind < 2) | ((slot_kind == 2) & HAS_SMOOTHING) |
+                                       ((slot_kind == 3) & (slot_part == 0)))
+    row = group + tl.zeros([], dtype=tl.int64)
+    x_next = _slice_load(X, row, stride_x, cols, M, V)
+    for _ in range(group, M, groups):
+        z = _softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = tl.where(cols < V, z, float("-inf"))
+        t = tl.load(T + row).to(tl.int64)
+        valid = t != ignore_index
+        in_range = (t >= 0) & (t < V)
+        m_part = tl.max(z, axis=0)
+        m_ref = tl.where(m_part == float("-inf"), 0.0, m_part)
+        e = tl.exp(z - m_ref)
+        s_part = tl.sum(e, axis=0)
+        z_sum = tl.zeros([], dtype=tl.float32)
+        if HAS_SMOOTHING:
+            z_sum = tl.sum(tl.where(cols < V, z, 0.0), axis=0)
+        z_t = tl.zeros([], dtype=tl.float32)
+        if part == 0:
+            x_t = tl.load(X + row * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
+            z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+        next_row = row + groups
+        if PARTS == 1:  # nothing to exchange
+            x_next = _slice_load(X, next_row, stride_x, cols, M, V)
+            lse = m_ref + tl.log(s_part)
+        else:
+            slot = SLOTS + (row * PARTS + part) * 4
+            publish(slot, m_part)
+            publish(slot + 1, s_part)
+            if HAS_SMOOTHING:
+                publish(slot + 2, z_sum)
+            if part == 0:
+                publish(slot + 3, z_t)
+            x_next = _slice_load(X, next_row, stride_x, cols, M, V)
+            stats = collect(SLOTS + row * PARTS * 4 + slot_part * 4 + slot_kind, slot_mask)
+            m_parts = tl.max(tl.where((slot_kind == 0) & (slot_part < PARTS), stats, float("-inf")), axis=1)
+            m = tl.max(m_parts, axis=0)
+            m_row = tl.where(m == float("-inf"), 0.0, m)
+            s_parts = tl.sum(tl.where(slot_kind == 1, stats, 0.0), axis=1)
+            lse = m_row + tl.log(tl.sum(tl.where(m_parts == float("-inf"), 0.0, s_parts * tl.exp(m_parts - m_row)),
+                                        axis=0))
+            z_sum = tl.sum(tl.sum(tl.where(slot_kind == 2, stats, 0.0), axis=1), axis=0)
+            z_t = tl.sum(tl.sum(tl.where(slot_kind == 3, stats, 0.0), axis=1), axis=0)
+        if part == 0:
+            loss, z_part = _loss_terms(lse, z_t, z_sum, valid, in_range, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+            if STORE_Z:
+                tl.store(ZLOSS + row, z_part)
+            tl.store(LOSS + row, loss)
+            tl.store(LSE + row, lse)
+        scale = tl.where(valid, tl.where(in_range, count_scale, float("nan")), 0.0)
+        p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+        g = e * (tl.exp(m_ref - lse) * p_coef) - off
+        if HAS_SOFTCAP:
+            th = z / softcap
+            g = g * (1.0 - th * th)
+        dx_row = DX + row * stride_dx
+        tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=cols < V)
+        if (t // BLOCK_V == part) & valid & in_range:
+            # The one-hot term, after the slice's store (the barrier orders the two writes).
+            tl.debug_barrier()
+            g_t = tl.exp(z_t - lse) * p_coef - off - hot
+            if HAS_SOFTCAP:
+                th_t = z_t / softcap
+                g_t = g_t * (1.0 - th_t * th_t)
+            tl.store(dx_row + t, g_t.to(DX.dtype.element_ty))
+        row = next_row
 
 
 @triton.jit
@@ -395,6 +522,18 @@ def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, cou
                1.0 if softcap is None else softcap, parts, PARTS_POW2=next_pow2(parts),
                HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
                HAS_SOFTCAP=softcap is not None, BLOCK_R=128, num_warps=4)
+        return
+    split = split_grid(v, m, FUSED_SPLIT_V, logits.device) if forward and grad and v > ONE_BLOCK_MAX else None
+    if split is not None:
+        parts, groups = split
+        launch(_ce_fused_split_kernel, (groups * parts,),
+               logits, target, loss, loss if z_rows is None else z_rows, lse, dx, lse if count is None else count,
+               torch.zeros((m, parts, 4), dtype=torch.int64, device=logits.device),
+               m, v, logits.stride(0), dx.stride(0), ignore_index, smoothing, z_coef,
+               1.0 if softcap is None else softcap,
+               MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
+               HAS_SOFTCAP=softcap is not None, PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_V=FUSED_SPLIT_V,
+               num_warps=FUSED_SPLIT_WARPS)
         return
     block_m, block_v, num_warps, one_block = _config(v, m, forward, grad)
     tiles = cdiv(m, block_m)
@@ -671,7 +810,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             are overwritten** (autograd raises if another op saved them for its backward), and
             the backward can run only once. The backward multiplies by the upstream gradient
             in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
-            under torch.compile. (On H100 ~1.1x faster than the default; see the module notes.)
+            under torch.compile. (On H100 1.4x faster than the default, which reads the logits twice;
+            see the module notes.)
         check_targets: raise ValueError when a target is outside ``[0, V)`` and not
             ``ignore_index``. A small kernel searches the targets before the main kernel and
             the host waits for that one alone (not for the kernels queued after it; skipped

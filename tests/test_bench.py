@@ -167,6 +167,31 @@ def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):
         ops()["rmsnorm"].small_shapes)
 
 
+def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
+    """A provider that syncs with the host cannot be captured: its CUDA-graph records are errors,
+    and the next case still makes its random inputs on the GPU (a broken capture used to leave
+    the generator unusable)."""
+    if device == "cpu":
+        pytest.skip("CUDA graphs need a GPU")
+    base = ops()["rmsnorm"]
+    plain = base.providers["torch"].factory()
+
+    def syncing(**inputs):
+        inputs["x"].sum().item()
+        return plain(**inputs)
+
+    op = dataclasses.replace(base, decode_shapes=({"M": 8, "N": 4096}, {"M": 16, "N": 4096}),
+                             providers={"torch": base.providers["torch"], "syncs": Provider(lambda: syncing)})
+    runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16, modes=["fwd"],
+                             providers=["torch", "syncs"]), torch.device(device), log=print)
+    runner.selected_ops = lambda: [op]
+    graph = {(r["provider"], r["shape"]["M"]): r for r in runner.run() if r["kind"] == "decode_graph"}
+    assert set(graph) == {(p, m) for p in ("torch", "syncs") for m in (8, 16)}
+    for m in (8, 16):
+        assert graph[("torch", m)]["status"] == "ok"
+        assert graph[("syncs", m)]["status"] == "error" and "CUDA graph capture" in graph[("syncs", m)]["note"]
+
+
 def test_decode_is_timed_plain_and_in_a_cuda_graph(device):
     """Decode sizes give two records per provider and mode: plain calls and a CUDA graph (every
     mode captures, the bwd one with its forward on the capturing stream)."""

@@ -84,6 +84,15 @@ def _latency_ms(fn) -> float:
     return statistics.median(times)
 
 
+def _release_rng_from_capture() -> None:
+    """A capture that a provider broke (a host sync, say) leaves the device's default generator
+    marked as capturing, and every later ``torch.randn`` on the device fails ("Offset increment
+    outside graph capture"): give the generator a fresh copy of its state, which is not."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    if hasattr(gen, "graphsafe_set_state"):
+        gen.graphsafe_set_state(gen.clone_state())
+
+
 def _graph_latency_ms(make_timed) -> float:
     """Per-call GPU time of ``GRAPH_CALLS`` calls of ``make_timed()`` captured in one CUDA graph.
     The callable is made, warmed up and captured on a side stream, so that a backward's forward
@@ -95,9 +104,13 @@ def _graph_latency_ms(make_timed) -> float:
         for _ in range(3):
             fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(GRAPH_CALLS):
-                fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(GRAPH_CALLS):
+                    fn()
+        except Exception:
+            _release_rng_from_capture()
+            raise
     torch.cuda.current_stream().wait_stream(stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []

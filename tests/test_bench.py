@@ -167,6 +167,17 @@ def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):
         ops()["rmsnorm"].small_shapes)
 
 
+def test_a_loss_is_differentiated_from_an_upstream_gradient_of_one():
+    """cross_entropy's backward starts from 1, as ``loss.backward()`` does; other ops from random
+    upstream gradients."""
+    ce, norm = ops()["cross_entropy"], ops()["rmsnorm"]
+    assert ce.is_loss and not norm.is_loss
+    case = Case(ce, {"M": 3, "V": 100}, torch.float32, torch.device("cpu"), grads=True)
+    assert all(torch.equal(g, torch.ones_like(g)) for g in case.grad_outputs)
+    case = Case(norm, {"M": 3, "N": 64}, torch.float32, torch.device("cpu"), grads=True)
+    assert not any(torch.equal(g, torch.ones_like(g)) for g in case.grad_outputs)
+
+
 def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
     """A provider that syncs with the host cannot be captured: its CUDA-graph records are errors,
     and the next case still makes its random inputs on the GPU (a broken capture used to leave

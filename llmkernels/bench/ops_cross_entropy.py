@@ -1,6 +1,9 @@
 """Benchmark registration of cross-entropy: ``loss = cross_entropy(logits [M, V], target [M])``.
 
-bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``. Default rows
+bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``; the backward starts
+from an upstream gradient of 1, as ``loss.backward()`` does (``Op.is_loss``: a gradient formed in
+the forward needs no further pass then; with any other factor it is scaled in place, two more
+``M V e``). Default rows
 ``M = 8192``: the tokens of a training micro-batch (4 x 2048; 4096 at V = 262144), 0.5-2 GiB of
 bf16 logits (at 256 MiB, 512-4096 rows, the ~100 us kernels are short enough that per-call host
 work on the GPU machine shows in the timings). Minimum bytes (``e`` = element size; the targets and
@@ -47,7 +50,7 @@ def _inputs(shape, dtype, device):
     m, v = shape["M"], shape["V"]
     logits = (torch.randn((m, v), device=device) * 2).to(dtype)
     target = torch.randint(0, v, (m,), device=device)
-    target[::97] = -100  # a few ignored rows
+    target[1::97] = -100  # a few ignored rows (not the first: one row alone must count)
     return {"logits": logits, "target": target}
 
 
@@ -72,7 +75,7 @@ register(Op(
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
     make_inputs=_inputs, grad_inputs=("logits",), outputs=("loss",),
     reference=lambda logits, target: reference.cross_entropy(logits, target, compute_dtype=torch.float64)[0],
-    min_bytes=_min_bytes,
+    min_bytes=_min_bytes, is_loss=True,
     providers={
         "llmkernels": Provider(lambda: llmkernels.cross_entropy),
         # The default's target check reads a flag from the device: one sync per call, which

@@ -93,6 +93,8 @@ class Op:
     min_bytes: ``(shape, dtype, mode) -> int``: the fewest bytes the op must move through
         memory in that mode (each input read once, each output written once); GB/s uses it.
     providers: name -> :class:`Provider`, ``"llmkernels"`` first; the others are peers.
+    is_loss: the output is a training loss: the backward starts from an upstream gradient of 1,
+        as ``loss.backward()`` does (other ops get random upstream gradients).
     """
 
     name: str
@@ -108,6 +110,7 @@ class Op:
     reference: Callable[..., Outputs]
     min_bytes: Callable[[dict, torch.dtype, str], int]
     providers: dict = field(default_factory=dict)
+    is_loss: bool = False
 
 
 _OPS: dict[str, Op] = {}

@@ -186,7 +186,8 @@ class Case:
                   for k, v in self.inputs.items()}
         with torch.enable_grad():
             outs = _as_tuple(op.reference(**ref_in))
-        self.grad_outputs = tuple(torch.randn(o.shape, device=device).to(dtype) for o in outs)
+        self.grad_outputs = tuple((torch.ones(o.shape, device=device) if op.is_loss else
+                                   torch.randn(o.shape, device=device)).to(dtype) for o in outs)
         self.ref = {name: o.detach() for name, o in zip(op.outputs, outs)}
         if grads:
             ref_grads = torch.autograd.grad(outs, [ref_in[k] for k in op.grad_inputs],

@@ -71,7 +71,7 @@ def _parser(registry: dict) -> argparse.ArgumentParser:
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"])
     p.add_argument("--n", nargs="+", type=int, metavar="N",
                    help="sizes of the swept dimension (norms: the row length N); default: each op's sweep")
-    p.add_argument("--m", type=int, metavar="M", help="rows (default: 256 MiB per bf16 tensor; cross_entropy: 8192)")
+    p.add_argument("--m", type=int, metavar="M", help="rows (default: 256 MiB per bf16 tensor; cross_entropy: 2^30 logits)")
     p.add_argument("--mode", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--providers", nargs="+", choices=providers, metavar="P",
                    help=f"providers (default: all importable): {', '.join(providers)}")

@@ -3,10 +3,10 @@
 bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``; the backward starts
 from an upstream gradient of 1, as ``loss.backward()`` does (``Op.is_loss``: a gradient formed in
 the forward needs no further pass then; with any other factor it is scaled in place, two more
-``M V e``). Default rows
-``M = 8192``: the tokens of a training micro-batch (4 x 2048; 4096 at V = 262144), 0.5-2 GiB of
-bf16 logits (at 256 MiB, 512-4096 rows, the ~100 us kernels are short enough that per-call host
-work on the GPU machine shows in the timings). Minimum bytes (``e`` = element size; the targets and
+``M V e``). Default rows: 32768 / 8192 / 4096 at V = 32000 / 128256 / 262144 (the tokens of a
+training micro-batch), 2 GiB of bf16 logits: with 0.5 GiB (8192 rows at V = 32000) a forward +
+backward of ~0.4 ms was host-bound on the GPU machine in this process, every provider at 40-62% in
+one run or another, and at 256 MiB even the ~100 us forward was. Minimum bytes (``e`` = element size; the targets and
 the per-row statistics, under 0.1% at these sizes, are not counted):
 
   fwd       logits read once:                          M V e
@@ -38,12 +38,13 @@ DECODE_SHAPES = tuple({"M": m, "V": 128256} for m in (1, 32, 256))
 SMALL_SHAPES = ({"M": 3, "V": 1000}, {"M": 5, "V": 9000})
 
 
-DEFAULT_ROWS = 8192
+LOGITS = 2**30  # logits per case by default: 2 GiB in bf16, what the float64 check can hold
 
 
 def _shape(v: int, rows):
-    """8192 rows, fewer where the float64 check of 2^30 logits would not fit (V = 262144: 4096)."""
-    return {"M": rows if rows is not None else min(DEFAULT_ROWS, 2**30 // v), "V": v}
+    """The largest power of two of rows with at most 2^30 logits: 32768 / 8192 / 4096 at V =
+    32000 / 128256 / 262144."""
+    return {"M": rows if rows is not None else 1 << ((LOGITS // v).bit_length() - 1), "V": v}
 
 
 def _inputs(shape, dtype, device):
@@ -83,6 +84,8 @@ register(Op(
         "llmkernels_unchecked": Provider(lambda: functools.partial(llmkernels.cross_entropy, check_targets=False)),
         "llmkernels_inplace": Provider(lambda: functools.partial(llmkernels.cross_entropy, inplace_backward=True),
                                        mutates=True),
+        "llmkernels_inplace_unchecked": Provider(lambda: functools.partial(
+            llmkernels.cross_entropy, inplace_backward=True, check_targets=False), mutates=True),
         "torch": Provider(lambda: _torch_ce),
         "torch_compile": Provider(lambda: compile_static(_torch_ce)),
         "liger": Provider(_liger_factory, gpu_only=True, mutates=True),

@@ -81,7 +81,7 @@ class Op:
     axis: the shape dimension that sweeps (``--n`` values, the x axis of the plots).
     sizes: default values of ``axis``; quick_sizes: those of ``--quick``.
     shape: ``(size, rows) -> dict`` of named dims, e.g. ``{"M": 131072, "N": 1024}``; ``rows``
-        is ``--m`` (None: the op's default: each tensor about 256 MiB in bf16, cross_entropy 8192 rows).
+        is ``--m`` (None: the op's default: each tensor about 256 MiB in bf16, cross_entropy 2^30 logits).
     decode_shapes: small shapes timed as latency (µs); small_shapes: tiny shapes of the
         correctness-only run on a machine without a GPU.
     make_inputs: ``(shape, dtype, device) -> dict`` of input tensors, passed to providers as

@@ -19,7 +19,7 @@ One kernel does everything, chosen by constexpr switches:
     so training needs no second ``[M, V]`` buffer, and the logits are read once: rows wider than
     ``ONE_BLOCK_MAX`` are split over programs that each hold a ``FUSED_SPLIT_V``-column slice in
     registers (as ``exp(z - max)``: one exp an element) and exchange the row's statistics
-    (``_ce_fused_split_kernel``). On H100 this pass runs at 0.86-0.90 x copy counting one read and
+    (``_ce_fused_split_kernel``). On H100 this pass runs at 0.87-0.94 x copy counting one read and
     one write (benchmarks/results/cross-entropy-inplace-h100-2026-11-23/); the earlier pass,
     which read each row twice in one program, 0.68-0.73 (it remains for the interpreter, which
     cannot run programs that wait for each other). Rows of up to ``ONE_BLOCK_MAX`` classes are
@@ -57,7 +57,7 @@ PER_SM_BWD = 2        # at 8192 rows (8 warps, 4 per SM: 0.74-0.80); sweeps in
 FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
 FUSED_SPLIT_V = 32768  # the in-place pass over rows split across programs: columns each holds, and
 FUSED_SPLIT_WARPS = 16  # warps: 0.86/0.90/0.88 x copy at V = 32000/128256/262144 (16384 x 16: 0.70/0.69/0.62;
-                        # 32768 x 32: 0.87/0.80/0.79); benchmarks/results/cross-entropy-inplace-h100-2026-11-23/
+                        # 32768 x 32: 0.87/0.80/0.79): benchmarks/results/cross-entropy-inplace-h100-2026-11-23/
 
 SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this
                       # (few rows: the last wave of 250 KB rows left SMs idle; see _split_parts)

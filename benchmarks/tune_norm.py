@@ -6,6 +6,7 @@ against the device-to-device copy measured in the same run. Used to choose the t
 
     python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd]
     python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide-row backward: row-split configs vs blocked
+    python benchmarks/tune_norm.py split-fwd [--ns 65536,131072]  # wide-row forward: row-split configs vs blocked
     python benchmarks/tune_norm.py defaults [--ns ...] [--which bwd]  # every dtype and op with the defaults
 """
 from __future__ import annotations
@@ -95,12 +96,13 @@ def time_case(n, dtype, is_rms, residual, mode, records, ceiling, tag, cfg=None)
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["sweep", "split", "defaults"])
+    ap.add_argument("what", choices=["sweep", "split", "split-fwd", "defaults"])
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--op", choices=["rms", "ln"], default="rms")
     ap.add_argument("--split-widths", default="4096,8192", help="split: columns per program to try")
-    ap.add_argument("--dtypes", default="bf16", help="split: input dtypes to try")
+    ap.add_argument("--dtypes", default="bf16", help="split, split-fwd: input dtypes to try")
+    ap.add_argument("--residual", action="store_true", help="split-fwd: with the fused residual add")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     ceiling = copy_bandwidth(torch.device("cuda"))
@@ -138,6 +140,21 @@ def main():
                       flush=True)
             torch.cuda.empty_cache()
         N_._split_config, _common.ROW_SPLIT = saved
+    elif args.what == "split-fwd":
+        # (columns per program, num_warps, skew); None = the blocked loop
+        widths = [int(v) for v in args.split_widths.split(",")]
+        cands = [None] + list(itertools.product(widths, [8, 16], [False, True]))
+        saved = N_._fwd_split_config, _common.ROW_SPLIT
+        for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
+            _common.ROW_SPLIT = cfg is not None
+            N_._fwd_split_config = (lambda *_, cfg=cfg: cfg) if cfg else saved[0]
+            rec = time_case(n, DTYPES[dname], args.op == "rms", args.residual, "fwd", records, ceiling, "split-fwd",
+                            cfg)
+            if rec:
+                print(f"{args.op}{' +res' if args.residual else ''} fwd {dname} n={n:6d} {str(cfg):21s} "
+                      f"{rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})", flush=True)
+            torch.cuda.empty_cache()
+        N_._fwd_split_config, _common.ROW_SPLIT = saved
     else:
         print(f"{'op':10s} {'dtype':5s} {'N':>7s}  fwd GB/s (%copy)   bwd GB/s (%copy)")
         for (op, is_rms, residual), (dname, dtype), n in itertools.product(
@@ -149,7 +166,8 @@ def main():
             cells = "   ".join(f"{r['gbps']:5.0f} ({r['pct']:5.1%})" if r else "  -           " for r in recs)
             print(f"{op:10s} {dname:5s} {n:7d}  {cells}", flush=True)
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, f"tune_norm_{args.what}_{args.op}.json"), "w") as f:
+    name = f"tune_norm_{args.what}_{args.op}{'_res' if args.residual else ''}"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=ceiling,
                        records=records), f, indent=1)
 

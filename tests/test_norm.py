@@ -152,8 +152,9 @@ def test_residual_grads_do_not_alias(device):
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
-    """Rows wider than the one-pass limits: the blocked forward, and the backward split across
-    programs (on a GPU; the interpreter cannot run programs that wait for each other) or blocked."""
+    """Rows wider than the one-pass limits, with and without a residual: forward and backward split
+    across programs (on a GPU; the interpreter cannot run programs that wait for each other; the
+    forward where FWD_SPLIT has the case) or blocked."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     monkeypatch.setattr(_common, "ROW_SPLIT", split)
@@ -164,6 +165,7 @@ def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
     w = torch.randn(n, device=device)
     b = None if is_rms else torch.randn(n, device=device)
     check_norm(is_rms, x, w, b, res, prenorm=True)
+    check_norm(is_rms, x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -184,12 +186,14 @@ def test_layer_norm_offset_rows(dtype, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
-    """The split backward at a small width (limit lowered): one part per row (also under the
-    interpreter) or four, the last one partly masked; more rows than groups in flight; the
-    exchange in step with the row or a row ahead."""
+    """The split forward and backward at a small width (limits lowered): one part per row (also
+    under the interpreter) or four, the last one partly masked; more rows than groups in flight;
+    the backward's exchange in step with the row or a row ahead."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
+    monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda is_rms, elem_size, has_res: (128 // parts, 4, skew))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_split_config", lambda is_rms, elem_size: (128 // parts, 4, skew))
     assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts

@@ -7,10 +7,11 @@ Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulat
 
 Paths by row width:
   - one pass: the whole row (several rows for small N) sits in registers; x is read once.
-  - split (backward only): rows wider than ``BWD_ONE_PASS_MAX`` are shared by several
-    programs, each holding a slice in registers, that exchange partial row dot products
-    through global memory; x and dy are still read once.
-  - blocked: the forward of rows wider than ``FWD_ONE_PASS_MAX`` loops over column chunks,
+  - split: rows wider than ``BWD_ONE_PASS_MAX`` (backward) or ``FWD_ONE_PASS_MAX`` (forward,
+    the cases of ``FWD_SPLIT``) are shared by several
+    programs, each holding a slice in registers, that exchange partial row sums through global
+    memory; x (and dy) are still read once.
+  - blocked: other forwards of rows wider than ``FWD_ONE_PASS_MAX`` loop over column chunks,
     reading the row a second time right after the first, from L2; a backward that cannot be
     split computes the two row dot products in a first kernel, then dx and dW per chunk.
 The backward uses a persistent grid: each program loops over its rows, accumulating dW/dB in
@@ -49,7 +50,19 @@ BWD_DECODE_PROGRAMS = 64
 # LLMKERNELS_ROW_SPLIT=0 turns the split off (``_common.split_grid``; the blocked loops then
 # take every wide row).
 # H100 sweeps (benchmarks/results/tune-norm-h100-2026-11-22/, split_*): see the README there.
-# Split forwards measured below the blocked forward (65-81% vs 81-87%) and were dropped.
+# The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``), where
+# measured faster than the blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per
+# program, num_warps, skewed exchange). H100, 256 MiB, N = 65536 / 131072 (49152 too for fp32;
+# benchmarks/results/tune-norm-h100-2026-11-23/): bf16 RMSNorm skewed 93.0 / 92.0% of copy (blocked
+# loop 87.6 / 81.4; in step with the row 84.9 / 82.8); bf16 add + RMSNorm 96.7 / 97.1 (98.8 /
+# 86.4); fp32 RMSNorm 96-97 (71-92), fp32 LayerNorm 88-89 (66-81). bf16 LayerNorm stays blocked
+# (split 81.0 / 77.8 in step, ~50 skewed, vs 82.4 / 77.4); 32768-column slices spill (70-75% and less).
+FWD_SPLIT = {
+    (True, 2, False): (16384, 8, True),
+    (True, 2, True): (16384, 8, False),
+    (True, 4, False): (16384, 8, False),
+    (False, 4, False): (16384, 8, False),
+}
 BWD_SPLIT = {
     (True, 2): (8192, 8, True),
     (True, 4): (8192, 16, False),
@@ -189,6 +202,116 @@ def _norm_fwd_kernel(
             tl.store(RSTD + rows, rstd, mask=row_mask)
             if not IS_RMS:
                 tl.store(MEAN + rows, mean, mask=row_mask)
+
+
+@triton.jit
+def _fwd_split_publish(X, RES, row, stride_x, stride_res, x, mask, M, SLOT, in_ty: tl.constexpr,
+                       IS_RMS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Publish a row slice's sum of squares (LayerNorm: and sum, both shifted by the row's first
+    element, which is returned; 0.0 for RMSNorm). ``x``: the slice (h with a residual)."""
+    x = x.to(tl.float32)
+    if IS_RMS:
+        publish(SLOT, tl.sum(x * x, axis=0))
+        return 0.0
+    shift = tl.load(X + row * stride_x, mask=row < M, other=0.0).to(tl.float32)
+    if HAS_RES:
+        shift = (shift + tl.load(RES + row * stride_res, mask=row < M, other=0.0).to(tl.float32)).to(in_ty)
+        shift = shift.to(tl.float32)
+    xs = tl.where(mask, x - shift, 0.0)
+    publish(SLOT, tl.sum(xs * xs, axis=0))
+    publish(SLOT + 1, tl.sum(xs, axis=0))
+    return shift
+
+
+@triton.jit
+def _fwd_split_finish(x, shift, sums, slot_idx, w, b, mask, N, eps, weight_offset, in_ty: tl.constexpr,
+                      IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
+    """(y, mean, rstd) of a row slice from the row's collected sums."""
+    var = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0) / N
+    x = x.to(tl.float32)
+    if IS_RMS:
+        mean = 0.0
+    else:
+        mean_shifted = tl.sum(tl.sum(tl.where(slot_idx % 2 == 1, sums, 0.0), axis=1), axis=0) / N
+        var = tl.maximum(var - mean_shifted * mean_shifted, 0.0)
+        mean = shift + mean_shifted
+        x = tl.where(mask, x - shift, 0.0) - mean_shifted
+    rstd = 1.0 / tl.sqrt(var + eps)
+    return _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE), mean, rstd
+
+
+@triton.jit
+def _split_row(X, row, stride_x, cols, M, N):
+    """A row's slice at ``cols`` in the input dtype; zeros for a row past the last."""
+    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, N, 0), other=0.0)
+
+
+@triton.jit
+def _norm_fwd_split_kernel(
+    X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
+    M, N,
+    stride_x, stride_res, stride_y, stride_h,
+    eps, weight_offset,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr,
+):
+    """Forward of rows too wide for one program, reading x once: ``PARTS`` programs share each
+    row, each holding a ``BLOCK_N``-column slice (and its weight and bias) in registers. Each
+    publishes its slice's sum of squares (LayerNorm: sum and sum of squares, shifted by the
+    row's first element as the other paths do) to ``SLOTS [M + groups, PARTS, 2]`` (int64,
+    zeroed; see ``publish``/``collect``), loads its slice of the group's next row, collects the
+    row's sums and writes its slice of y; part 0 writes the row's statistics. With ``SKEW`` (no
+    residual) the exchange runs a row ahead, as in the split backward: the iteration that writes
+    row r's y publishes row r + 1's sums and loads row r + 2 (rows past the last publish into the
+    spare slots). Grid: (groups * PARTS,), all resident at once; group g takes rows g, g +
+    groups, ..."""
+    part = tl.program_id(0) % PARTS
+    group = tl.program_id(0) // PARTS
+    groups = tl.num_programs(0) // PARTS
+    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
+    w, b = _load_wb(W, B, cols, mask, HAS_W, HAS_B)
+    slot_idx = tl.arange(0, PARTS_POW2)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    if IS_RMS:
+        slot_mask = (slot_idx < 2 * PARTS) & (slot_idx % 2 == 0)
+    else:
+        slot_mask = slot_idx < 2 * PARTS
+    row = group + tl.zeros([], dtype=tl.int64)
+    x_now = _split_row(X, row, stride_x, cols, M, N)
+    if HAS_RES:
+        r_now = _split_row(RES, row, stride_res, cols, M, N)
+    if SKEW:
+        x_next = _split_row(X, row + groups, stride_x, cols, M, N)
+        shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
+                                       SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
+    for _ in range(group, M, groups):
+        if SKEW:  # publish the next row's sums, load the one after
+            x_far = _split_row(X, row + 2 * groups, stride_x, cols, M, N)
+            shift_next = _fwd_split_publish(X, RES, row + groups, stride_x, stride_res, x_next, mask, M,
+                                            SLOTS + ((row + groups) * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
+        else:  # publish this row's sums, load the next row
+            if HAS_RES:
+                x_now = (x_now.to(tl.float32) + r_now.to(tl.float32)).to(in_ty)
+                tl.store(H + row * stride_h + cols, x_now, mask=mask)
+                r_now = _split_row(RES, row + groups, stride_res, cols, M, N)
+            shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
+                                           SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
+            x_next = _split_row(X, row + groups, stride_x, cols, M, N)
+        sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
+        y, mean, rstd = _fwd_split_finish(x_now, shift_now, sums, slot_idx, w, b, mask, N, eps, weight_offset,
+                                          in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_STATS and part == 0:
+            tl.store(RSTD + row, rstd)
+            if not IS_RMS:
+                tl.store(MEAN + row, mean)
+        if SKEW:
+            x_now, x_next, shift_now = x_next, x_far, shift_next
+        else:
+            x_now = x_next
+        row += groups
 
 
 @triton.jit
@@ -503,6 +626,11 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
     return block_m, block_n, num_warps, True, per_sm, 0
 
 
+def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool):
+    """(columns per program, num_warps, skew) of the split forward, or None: the blocked loop."""
+    return FWD_SPLIT.get((is_rms, elem_size, has_residual))
+
+
 def _split_config(is_rms: bool, elem_size: int):
     """(columns per program, num_warps, skew) of the split backward."""
     return BWD_SPLIT[is_rms, elem_size]
@@ -522,6 +650,24 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     rstd = torch.empty(m, dtype=torch.float32, device=dev) if store_stats else None
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
+        return y, h, mean, rstd
+    split_cfg = (_fwd_split_config(is_rms, x.element_size(), residual is not None)
+                 if n > FWD_ONE_PASS_MAX and heads == 1 else None)
+    split = split_grid(n, m, split_cfg[0], dev) if split_cfg is not None else None
+    if split is not None:
+        parts, groups = split
+        launch(_norm_fwd_split_kernel, (groups * parts,),
+            x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
+            y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
+            torch.zeros((m + groups, parts, 2), dtype=torch.int64, device=dev),
+            m, n,
+            x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+            eps, weight_offset,
+            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+            QUANTIZE=quantize, STORE_STATS=store_stats,
+            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cfg[0],
+            SKEW=split_cfg[2] and residual is None, num_warps=split_cfg[1],
+        )
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1))
     n_tiles = cdiv(m, block_m)

@@ -427,9 +427,7 @@ def _norm_bwd_kernel(
 @triton.jit
 def _split_load(X, DY, row, stride_x, stride_dy, cols, M, N):
     """One row's slice of x and dy, in the input dtype; zeros for a row past the last."""
-    n = tl.where(row < M, N, 0)
-    return (tl.load(X + row * stride_x + cols, mask=cols < n, other=0.0),
-            tl.load(DY + row * stride_dy + cols, mask=cols < n, other=0.0))
+    return _split_row(X, row, stride_x, cols, M, N), _split_row(DY, row, stride_dy, cols, M, N)
 
 
 @triton.jit

@@ -155,6 +155,13 @@ def split_grid(n: int, m: int, block_n: int, device: torch.device):
 
 
 @triton.jit
+def row_slice(X, row, stride_x, cols, M, N, other):
+    """Columns ``cols`` of row ``row`` of ``X`` in its dtype, ``other`` past column N; nothing
+    is read for a row past the last (a program prefetching beyond its group's rows)."""
+    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, N, 0), other=other)
+
+
+@triton.jit
 def publish(SLOT, value):
     bits = value.to(tl.float32).to(tl.uint32, bitcast=True).to(tl.int64)
     tl.atomic_xchg(SLOT, bits | 0x100000000, sem="relaxed", scope="gpu")

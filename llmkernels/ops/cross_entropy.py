@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish, split_grid,
-                      use_kernels)
+from ._common import (cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish, row_slice,
+                      split_grid, use_kernels)
 
 # Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
 # benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
@@ -104,15 +104,21 @@ def _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, H
 
 
 @triton.jit
-def _grad_tile(z, is_target, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
-    """d loss / d logits of softcapped logits ``z``; the row quantities come broadcastable to
-    ``z``'s shape."""
-    g = tl.exp(z - lse) * p_coef - off
-    g = tl.where(is_target, g - hot, g)
+def _through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
+    """A gradient with respect to softcapped logits ``z``, taken back through the soft cap
+    (d z / d x = 1 - (z / softcap)**2)."""
     if HAS_SOFTCAP:
         th = z / softcap
         g = g * (1.0 - th * th)
-    return tl.where(valid, g, 0.0)
+    return g
+
+
+@triton.jit
+def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
+    """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
+    g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
+    g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
+    return tl.where(valid[:, None], _through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
 
 
 @triton.jit
@@ -229,11 +235,9 @@ def _ce_kernel(
                 scale *= tl.load(G + rows64 * stride_g, mask=row_mask, other=0.0).to(tl.float32)
             scale = tl.where(bad, float("nan"), scale)
             p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
-            p_coef, off, hot, lse2 = p_coef[:, None], off[:, None], hot[:, None], lse[:, None]
             dx_row = DX + rows64[:, None] * stride_dx
             if ONE_BLOCK:
-                g = _grad_tile(z, cols[None, :] == t[:, None], lse2, p_coef, off, hot, valid[:, None], softcap,
-                               HAS_SOFTCAP)
+                g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                 tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
             else:
                 # Reverse chunk order: the chunks the forward read last are still in L2.
@@ -243,15 +247,8 @@ def _ce_kernel(
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
                     z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
-                    g = _grad_tile(z, cols[None, :] == t[:, None], lse2, p_coef, off, hot, valid[:, None], softcap,
-                                   HAS_SOFTCAP)
+                    g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _slice_load(X, row, stride_x, cols, M, V):
-    """Columns ``cols`` of a row of logits, -inf past V; nothing is read for a row past the last."""
-    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, V, 0), other=float("-inf"))
 
 
 @triton.jit
@@ -285,7 +282,7 @@ def _ce_fused_split_kernel(
     slot_mask = (slot_part < PARTS) & ((slot_kind < 2) | ((slot_kind == 2) & HAS_SMOOTHING) |
                                        ((slot_kind == 3) & (slot_part == 0)))
     row = group + tl.zeros([], dtype=tl.int64)
-    x_next = _slice_load(X, row, stride_x, cols, M, V)
+    x_next = row_slice(X, row, stride_x, cols, M, V, float("-inf"))
     for _ in range(group, M, groups):
         z = _softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
@@ -306,7 +303,7 @@ def _ce_fused_split_kernel(
             z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
         next_row = row + groups
         if PARTS == 1:  # nothing to exchange
-            x_next = _slice_load(X, next_row, stride_x, cols, M, V)
+            x_next = row_slice(X, next_row, stride_x, cols, M, V, float("-inf"))
             lse = m_ref + tl.log(s_part)
         else:
             slot = SLOTS + (row * PARTS + part) * 4
@@ -316,7 +313,7 @@ def _ce_fused_split_kernel(
                 publish(slot + 2, z_sum)
             if part == 0:
                 publish(slot + 3, z_t)
-            x_next = _slice_load(X, next_row, stride_x, cols, M, V)
+            x_next = row_slice(X, next_row, stride_x, cols, M, V, float("-inf"))
             stats = collect(SLOTS + row * PARTS * 4 + slot_part * 4 + slot_kind, slot_mask)
             m_parts = tl.max(tl.where((slot_kind == 0) & (slot_part < PARTS), stats, float("-inf")), axis=1)
             m = tl.max(m_parts, axis=0)
@@ -334,19 +331,13 @@ def _ce_fused_split_kernel(
             tl.store(LSE + row, lse)
         scale = tl.where(valid, tl.where(in_range, count_scale, float("nan")), 0.0)
         p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
-        g = e * (tl.exp(m_ref - lse) * p_coef) - off
-        if HAS_SOFTCAP:
-            th = z / softcap
-            g = g * (1.0 - th * th)
+        g = _through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
         dx_row = DX + row * stride_dx
         tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=cols < V)
         if (t // BLOCK_V == part) & valid & in_range:
             # The one-hot term, after the slice's store (the barrier orders the two writes).
             tl.debug_barrier()
-            g_t = tl.exp(z_t - lse) * p_coef - off - hot
-            if HAS_SOFTCAP:
-                th_t = z_t / softcap
-                g_t = g_t * (1.0 - th_t * th_t)
+            g_t = _through_softcap(tl.exp(z_t - lse) * p_coef - off - hot, z_t, softcap, HAS_SOFTCAP)
             tl.store(dx_row + t, g_t.to(DX.dtype.element_ty))
         row = next_row
 

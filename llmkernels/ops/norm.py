@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import reference
 from ._common import (as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish,
-                      split_grid, use_kernels)
+                      row_slice, split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -241,12 +241,6 @@ def _fwd_split_finish(x, shift, sums, slot_idx, w, b, mask, N, eps, weight_offse
 
 
 @triton.jit
-def _split_row(X, row, stride_x, cols, M, N):
-    """A row's slice at ``cols`` in the input dtype; zeros for a row past the last."""
-    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, N, 0), other=0.0)
-
-
-@triton.jit
 def _norm_fwd_split_kernel(
     X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
     M, N,
@@ -279,26 +273,26 @@ def _norm_fwd_split_kernel(
     else:
         slot_mask = slot_idx < 2 * PARTS
     row = group + tl.zeros([], dtype=tl.int64)
-    x_now = _split_row(X, row, stride_x, cols, M, N)
+    x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
     if HAS_RES:
-        r_now = _split_row(RES, row, stride_res, cols, M, N)
+        r_now = row_slice(RES, row, stride_res, cols, M, N, 0.0)
     if SKEW:
-        x_next = _split_row(X, row + groups, stride_x, cols, M, N)
+        x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
         shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
                                        SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
     for _ in range(group, M, groups):
         if SKEW:  # publish the next row's sums, load the one after
-            x_far = _split_row(X, row + 2 * groups, stride_x, cols, M, N)
+            x_far = row_slice(X, row + 2 * groups, stride_x, cols, M, N, 0.0)
             shift_next = _fwd_split_publish(X, RES, row + groups, stride_x, stride_res, x_next, mask, M,
                                             SLOTS + ((row + groups) * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
         else:  # publish this row's sums, load the next row
             if HAS_RES:
                 x_now = (x_now.to(tl.float32) + r_now.to(tl.float32)).to(in_ty)
                 tl.store(H + row * stride_h + cols, x_now, mask=mask)
-                r_now = _split_row(RES, row + groups, stride_res, cols, M, N)
+                r_now = row_slice(RES, row + groups, stride_res, cols, M, N, 0.0)
             shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
                                            SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
-            x_next = _split_row(X, row + groups, stride_x, cols, M, N)
+            x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
         sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
         y, mean, rstd = _fwd_split_finish(x_now, shift_now, sums, slot_idx, w, b, mask, N, eps, weight_offset,
                                           in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
@@ -427,7 +421,7 @@ def _norm_bwd_kernel(
 @triton.jit
 def _split_load(X, DY, row, stride_x, stride_dy, cols, M, N):
     """One row's slice of x and dy, in the input dtype; zeros for a row past the last."""
-    return _split_row(X, row, stride_x, cols, M, N), _split_row(DY, row, stride_dy, cols, M, N)
+    return row_slice(X, row, stride_x, cols, M, N, 0.0), row_slice(DY, row, stride_dy, cols, M, N, 0.0)
 
 
 @triton.jit

@@ -38,7 +38,10 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                       PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n, SKEW=skew)
     names = N_._norm_bwd_split_kernel.arg_names
     src = ASTSource(fn=N_._norm_bwd_split_kernel, signature={n: types.get(n, "constexpr") for n in names},
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    # as launched: every pointer 16-byte aligned, every int a multiple of 16 (without
+                    # this the loads are not vectorized and the counts are those of another kernel)
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in types if k != "weight_offset"})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

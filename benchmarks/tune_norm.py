@@ -44,13 +44,14 @@ def fwd_candidates(n):
 
 
 def bwd_candidates(n):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, programs/SM)."""
+    """(BLOCK_M, BLOCK_N, warps, one_pass, programs/SM, prefetch the next tile)."""
     cands = []
     bn = triton.next_power_of_2(n)
     if n <= 16384:
-        cands += [(bm, bn, nw, True, ps) for bm, nw, ps in itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4])
+        cands += [(bm, bn, nw, True, ps, pf) for bm, nw, ps, pf in
+                  itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4], [False, True])
                   if 1024 <= bm * bn <= 16384 and nw * 32 * 4 <= bm * bn]
-    cands += [(bm, c, nw, False, ps) for bm, c, nw, ps in itertools.product([2, 4], [1024, 2048], [4, 8], [2, 4])
+    cands += [(bm, c, nw, False, ps, False) for bm, c, nw, ps in itertools.product([2, 4], [1024, 2048], [4, 8], [2, 4])
               if c < n and n >= 8192]
     return cands
 
@@ -115,11 +116,11 @@ def main():
             for mode in args.which.split(","):
                 best = None
                 for cfg in (fwd_candidates(n) if mode == "fwd" else bwd_candidates(n)):
-                    # the configs' last field (early weight load, program cap) stays off at these sizes
+                    # early weight load (fwd) and the program cap (bwd) stay off at these sizes
                     if mode == "fwd":
                         N_._fwd_config = lambda *_, cfg=cfg: cfg + (False,)
                     else:
-                        N_._bwd_config = lambda *_, cfg=cfg: cfg + (0,)
+                        N_._bwd_config = lambda *_, cfg=cfg: cfg[:5] + (0, cfg[5])
                     rec = time_case(n, torch.bfloat16, args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
                     if rec and (best is None or rec["gbps"] > best["gbps"]):
                         best = rec

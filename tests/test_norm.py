@@ -217,6 +217,18 @@ def test_blocked_path_forced(is_rms, device, monkeypatch):
     check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monkeypatch):
+    """The one-pass backward with 2-row tiles, several a program and a last one half full (the
+    prefetch then reads nothing past the last row), per-head weights and a residual too."""
+    cfg = (2, 128, 4, True, 1, 3, prefetch)  # 3 programs, 2 x 128 tiles
+    monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: cfg)
+    x = torch.randn(5, 3, 100, device=device, dtype=torch.bfloat16)
+    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
+    check_norm(is_rms, x, torch.randn(3, 100, device=device), None, torch.randn_like(x), prenorm=True)
+
+
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_per_head_weight(is_rms, device):
     """QK norm: weight [H, D] over x [..., H, D], each head its own scale."""
@@ -376,8 +388,9 @@ def test_heuristics_cover_every_width(n):
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
             assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
             assert bm * bn <= 65536
-            bm, bn, warps, one_pass, per_sm, max_programs = norm_ops._bwd_config(n, m, is_rms, sms)
+            bm, bn, warps, one_pass, per_sm, max_programs, prefetch = norm_ops._bwd_config(n, m, is_rms, sms)
             assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
+            assert not prefetch or (one_pass and not max_programs)
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
             assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
             assert bm * bn <= 65536
@@ -392,10 +405,10 @@ def test_decode_rules_are_the_measured_configs():
     assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
     assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
     assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured
-    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64)
-    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 2, 64)
-    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64)
-    assert norm_ops._bwd_config(4096, 2**15, True, 132)[-1] == 0
+    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64, False)
+    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 2, 64, False)
+    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64, False)
+    assert norm_ops._bwd_config(4096, 2**15, True, 132)[-2] == 0
 
 
 def test_cpu_without_interpreter_uses_reference():

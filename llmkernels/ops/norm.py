@@ -356,6 +356,16 @@ def _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.const
 
 
 @triton.jit
+def _tile_load(X, DY, tile, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy, BLOCK_M: tl.constexpr):
+    """x and dy of a tile of rows, in the input dtype (nothing read past the last row)."""
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = i.to(tl.int64) * HEADS + head
+    mask = (i < rows_per_head)[:, None] & col_mask[None, :]
+    return (tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0),
+            tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0))
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, DOTS,
     rows_per_head, N, HEADS,
@@ -363,13 +373,16 @@ def _norm_bwd_kernel(
     weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """dx (and dresidual), and this program's partial dW/dB over the rows it owns.
 
     Grid: (programs, heads, column chunks). Program p of head h owns rows
     ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row
     dot products are computed here; with several they come from ``_norm_bwd_dots_kernel``.
+    With ``PREFETCH`` a program issues its next tile's loads before it reduces the current one.
+    The weight is loaded again for every tile (from L1, kept there with ``evict_last``) rather
+    than held across the loop: its registers are what the 16384-column tile was spilling.
     """
     prog = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -377,18 +390,27 @@ def _norm_bwd_kernel(
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     in_ty = X.dtype.element_ty
-    w = 0.0  # unused without a weight
-    if HAS_W:
-        w = tl.load(W + head * N + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        x_next, dy_next = _tile_load(X, DY, prog, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy,
+                                     BLOCK_M)
     for tile in range(prog, tl.cdiv(rows_per_head, BLOCK_M), n_progs):
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _tile_load(X, DY, tile + n_progs, rows_per_head, HEADS, head, cols, col_mask,
+                                         stride_x, stride_dy, BLOCK_M)
+        else:
+            x, dy = _tile_load(X, DY, tile, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy, BLOCK_M)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
+        w = 0.0  # unused without a weight
+        if HAS_W:
+            w = tl.load(W + head * N + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+            w = w.to(tl.float32) + weight_offset
         i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = i < rows_per_head
         rows = i.to(tl.int64) * HEADS + head
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         if IS_RMS:
             x_hat = x * rstd[:, None]
@@ -587,16 +609,22 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
     return block_m, block_n, num_warps, True, 0, False
 
 
-# block_n -> (tile elements, num_warps, programs per SM) of the one-pass backward (H100 sweep).
+# block_n -> (tile elements, num_warps, programs per SM, prefetch) of the one-pass backward. With
+# prefetch, a program loads its next tile's x and dy before it reduces the current one. H100 sweep
+# (bf16, 256 MiB, benchmarks/results/tune-norm-h100-2026-11-23/8-*): RMSNorm 95.9 / 94.7 / 97.6 /
+# 94.6 / 95.7% of copy at 1024 ... 16384 (16384: the prefetch spills); LayerNorm 90.9 / 89.4 / 90.0
+# / 83.3 at 1024 ... 8192 (without prefetch 83 / 86 / 85 / 82).
 _BWD_TABLE = {
-    True: {1024: (2048, 4, 4), 2048: (2048, 8, 4), 4096: (4096, 8, 2), 8192: (16384, 16, 1), 16384: (16384, 16, 1)},
-    False: {1024: (2048, 4, 4), 2048: (2048, 4, 4), 4096: (4096, 4, 2), 8192: (8192, 8, 1), 16384: (16384, 16, 1)},
+    True: {1024: (4096, 8, 2, True), 2048: (2048, 4, 4, True), 4096: (4096, 16, 2, True),
+           8192: (8192, 16, 1, True), 16384: (16384, 16, 1, False)},
+    False: {1024: (4096, 4, 2, True), 2048: (2048, 8, 4, True), 4096: (4096, 8, 2, True),
+            8192: (8192, 16, 1, True)},
 }
 
 
 def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, most programs or 0) for the
-    backward on ``sms`` multiprocessors (0: unknown, no decode rule).
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, most programs or 0, prefetch) for
+    the backward on ``sms`` multiprocessors (0: unknown, no decode rule).
 
     LayerNorm keeps a dB accumulator beside dW; a 16384-wide row then spills registers (fp32:
     14% of copy on H100, bf16: 51%), so LayerNorm rows over 8192 leave the one-pass kernel
@@ -607,15 +635,15 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
     LayerNorm at M = 256: 8192-element tiles at most, for the same spills).
     """
     if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
-        return BWD_BLOCKED + (0,)
+        return BWD_BLOCKED + (0, False)
     block_n = max(16, next_pow2(n))
-    tile, num_warps, per_sm = _BWD_TABLE[is_rms][max(1024, block_n)]
+    tile, num_warps, per_sm, prefetch = _BWD_TABLE[is_rms][max(1024, block_n)]
     block_m = min(max(1, tile // block_n), next_pow2(m))
     if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
         max_tile = 16384 if is_rms else 8192
         block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
-        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS
-    return block_m, block_n, num_warps, True, per_sm, 0
+        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS, False
+    return block_m, block_n, num_warps, True, per_sm, 0, prefetch
 
 
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool):
@@ -695,7 +723,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     # The decode rule is measured for one weight row (heads == 1) only.
-    block_m, block_n, num_warps, one_pass, per_sm, max_programs = _bwd_config(
+    block_m, block_n, num_warps, one_pass, per_sm, max_programs, prefetch = _bwd_config(
         n, m, is_rms, persistent_programs(dev, 1) if heads == 1 else 0)
     rows_per_head = m // heads
     split = None
@@ -749,7 +777,8 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
             weight_offset,
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
             HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch,
+            num_warps=num_warps,
         )
     elif dw_part is not None or db_part is not None:
         dw_part = None if dw_part is None else dw_part.zero_()

@@ -34,6 +34,23 @@ def test_registry_declares_the_norm_ops():
     assert set(registered["layernorm"].grad_inputs) == {"x", "weight", "bias"}
 
 
+def test_add_rmsnorm_inputs_come_out_of_a_graph(device):
+    """add_rmsnorm's inputs reach providers as non-leaf views (as from earlier layers), so
+    llmkernels writes one gradient for x and residual; both still reach the leaves, correct."""
+    op = ops()["add_rmsnorm"]
+    assert op.inputs_from_graph and not ops()["rmsnorm"].inputs_from_graph
+    case = Case(op, {"M": 6, "N": 64}, torch.bfloat16, torch.device(device), grads=True)
+    fn = op.providers["llmkernels"].factory()
+    leaves = case.leaves(True)
+    inputs = case.call_inputs(leaves)
+    assert not any(inputs[k].is_leaf for k in op.grad_inputs) and inputs["x"].data_ptr() == leaves["x"].data_ptr()
+    dx, dres, _ = torch.autograd.grad(*case.backward_args(case.forward(fn, leaves), leaves, False))
+    assert dx.data_ptr() == dres.data_ptr()
+    errors = case.check(fn, grads=True)
+    assert set(errors) == {"y", "h", "dx", "dresidual", "dweight"}
+    assert max(errors.values()) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("name,mode,tensors,vectors", [
     ("rmsnorm", "fwd", 2, 1), ("rmsnorm", "bwd", 3, 2),          # x->y | x,dy->dx; w | w->dw
     ("layernorm", "fwd", 2, 2), ("layernorm", "bwd", 3, 3),      # + bias | + db

@@ -13,7 +13,9 @@ add_rmsnorm    x, residual, w read; y, h written     h, dy, dh, w read; dx, dw w
 =============  ====================================  ========================================
 
 ``fwd+bwd`` counts both. add_rmsnorm (prenorm: ``h = x + residual``, ``y = rmsnorm(h)``, both
-returned) writes one gradient for x and residual: they are the same tensor when the dtypes match.
+returned) writes one gradient for x and residual: they are the same tensor when the dtypes match
+and neither is an autograd leaf. In a model they come out of earlier layers, so the bench passes
+views of its leaves (``Op.inputs_from_graph``), for every provider alike.
 Per-row statistics (rstd, mean: 4 bytes a row) are not counted.
 """
 from __future__ import annotations
@@ -197,7 +199,7 @@ register(Op(
     make_inputs=_add_rms_inputs, grad_inputs=("x", "residual", "weight"), outputs=("y", "h"),
     reference=lambda x, residual, weight: reference.rms_norm(
         x, weight, eps=RMS_EPS, residual=residual, prenorm=True, compute_dtype=torch.float64),
-    min_bytes=_bytes(fwd=(4, 1), bwd=(4, 2)),
+    min_bytes=_bytes(fwd=(4, 1), bwd=(4, 2)), inputs_from_graph=True,
     providers={
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS, prenorm=True)),
         "torch": Provider(_torch_add_rms_factory),

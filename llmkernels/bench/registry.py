@@ -95,6 +95,11 @@ class Op:
     providers: name -> :class:`Provider`, ``"llmkernels"`` first; the others are peers.
     is_loss: the output is a training loss: the backward starts from an upstream gradient of 1,
         as ``loss.backward()`` does (other ops get random upstream gradients).
+    inputs_from_graph: in a model the inputs come out of earlier ops (the residual stream of a
+        transformer block), never autograd leaves: when gradients are timed, providers get views
+        of the leaves (the gradients still reach the leaves, through views). An op may then hand
+        two inputs one gradient tensor, which it must not do for leaves (their ``.grad`` would
+        alias).
     """
 
     name: str
@@ -111,6 +116,7 @@ class Op:
     min_bytes: Callable[[dict, torch.dtype, str], int]
     providers: dict = field(default_factory=dict)
     is_loss: bool = False
+    inputs_from_graph: bool = False
 
 
 _OPS: dict[str, Op] = {}

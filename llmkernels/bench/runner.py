@@ -200,8 +200,15 @@ class Case:
         return {k: (v.detach().clone() if copy else v.detach()).requires_grad_(grads and k in self.op.grad_inputs)
                 for k, v in self.inputs.items()}
 
+    def call_inputs(self, leaves) -> dict:
+        """What a provider is called with: the leaves, or views of those that need gradients
+        where the op's inputs come out of earlier ops (``Op.inputs_from_graph``)."""
+        if not self.op.inputs_from_graph:
+            return leaves
+        return {k: v.view_as(v) if v.requires_grad else v for k, v in leaves.items()}
+
     def forward(self, fn, leaves) -> tuple:
-        outs = _as_tuple(fn(**leaves))
+        outs = _as_tuple(fn(**self.call_inputs(leaves)))
         if len(outs) != len(self.op.outputs):
             raise ValueError(f"returned {len(outs)} outputs, expected {len(self.op.outputs)} {self.op.outputs}")
         return outs
@@ -234,13 +241,14 @@ class Case:
         """The callable to time for ``mode``: the forward, the backward alone (of a retained
         graph), or both. With ``mutates`` the calls share a copy of the inputs."""
         leaves = self.leaves(mode != "fwd", copy=mutates)
+        inputs = self.call_inputs(leaves)
         if mode == "fwd":
-            return lambda: fn(**leaves)
+            return lambda: fn(**inputs)
         outs = self.forward(fn, leaves)
         _, params, grad_outputs, _ = self.backward_args(outs, leaves, True)
         if mode == "bwd":
             return lambda: torch.autograd.grad(outs, params, grad_outputs, retain_graph=True)
-        return lambda: torch.autograd.grad(_as_tuple(fn(**leaves)), params, grad_outputs)
+        return lambda: torch.autograd.grad(_as_tuple(fn(**inputs)), params, grad_outputs)
 
 
 def _short(exc: BaseException) -> str:

@@ -196,9 +196,9 @@ def test_a_loss_is_differentiated_from_an_upstream_gradient_of_one():
 
 
 def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
-    """A provider that syncs with the host cannot be captured: its CUDA-graph records are errors,
-    and the next case still makes its random inputs on the GPU (a broken capture used to leave
-    the generator unusable)."""
+    """A provider that syncs with the host cannot be captured: its decode CUDA-graph records are
+    errors, its bandwidth case is timed as plain calls (noted), and the next case still makes its
+    random inputs on the GPU (a broken capture used to leave the generator unusable)."""
     if device == "cpu":
         pytest.skip("CUDA graphs need a GPU")
     base = ops()["rmsnorm"]
@@ -213,7 +213,12 @@ def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
     runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16, modes=["fwd"],
                              providers=["torch", "syncs"]), torch.device(device), log=print)
     runner.selected_ops = lambda: [op]
-    graph = {(r["provider"], r["shape"]["M"]): r for r in runner.run() if r["kind"] == "decode_graph"}
+    records = runner.run()
+    bandwidth = {r["provider"]: r for r in records if r["kind"] == "bandwidth"}
+    assert bandwidth["torch"]["status"] == "ok" and bandwidth["torch"]["timing"] == "cuda_graph"
+    assert bandwidth["syncs"]["status"] == "ok" and bandwidth["syncs"]["timing"] == "plain_calls"
+    assert "CUDA graph capture" in bandwidth["syncs"]["note"]
+    graph = {(r["provider"], r["shape"]["M"]): r for r in records if r["kind"] == "decode_graph"}
     assert set(graph) == {(p, m) for p in ("torch", "syncs") for m in (8, 16)}
     for m in (8, 16):
         assert graph[("torch", m)]["status"] == "ok"

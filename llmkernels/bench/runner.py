@@ -1,7 +1,9 @@
 """Running the benchmark: the copy ceiling, the float64 check of every provider, the timings.
 
 Bandwidth cases are timed with ``triton.testing.do_bench`` (median; it flushes L2 before each
-call). Decode cases (small M) are timed twice. ``decode``: the latency an eager user sees, CUDA
+call) replaying a CUDA graph of one call, so the time is the GPU's: the host's work for a plain
+call (Python, autograd, launches) can take as long as a 0.3-0.5 ms call and varied between
+processes. A provider that breaks capture is timed as plain calls, and its record says so. Decode cases (small M) are timed twice. ``decode``: the latency an eager user sees, CUDA
 events around a loop of ``DECODE_CALLS`` back-to-back plain calls, median of ``DECODE_REPEATS``
 loops, so Python, autograd and launch overhead count. ``decode_graph``: the GPU time alone, as a
 decode step captured in a CUDA graph pays it (vLLM, SGLang, ``torch.compile(mode="reduce-overhead")``):
@@ -93,10 +95,10 @@ def _release_rng_from_capture() -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
-def _graph_latency_ms(make_timed) -> float:
-    """Per-call GPU time of ``GRAPH_CALLS`` calls of ``make_timed()`` captured in one CUDA graph.
-    The callable is made, warmed up and captured on a side stream, so that a backward's forward
-    (which ``make_timed`` runs for the bwd mode) is on the capturing stream too."""
+def _capture(make_timed, calls: int):
+    """A CUDA graph of ``calls`` calls of ``make_timed()``. The callable is made, warmed up and
+    captured on a side stream, so that a backward's forward (which ``make_timed`` runs for the
+    bwd mode) is on the capturing stream too."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -106,12 +108,18 @@ def _graph_latency_ms(make_timed) -> float:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=stream):
-                for _ in range(GRAPH_CALLS):
+                for _ in range(calls):
                     fn()
         except Exception:
             _release_rng_from_capture()
             raise
     torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def _graph_latency_ms(make_timed) -> float:
+    """Per-call GPU time of ``GRAPH_CALLS`` calls of ``make_timed()`` captured in one CUDA graph."""
+    graph = _capture(make_timed, GRAPH_CALLS)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i in range(DECODE_REPEATS + 1):
@@ -121,8 +129,19 @@ def _graph_latency_ms(make_timed) -> float:
         end.synchronize()
         if i:  # the first replay warms up
             times.append(start.elapsed_time(end) / GRAPH_CALLS)
-    del graph, fn
+    del graph
     return statistics.median(times)
+
+
+def _graph_bench_ms(make_timed) -> float:
+    """``do_bench`` median of one call of ``make_timed()`` replayed from a CUDA graph (L2 flushed
+    before each replay): the call's GPU time. Timed as plain calls, a bandwidth case's time also
+    held whatever time the host took beyond the GPU's (Python, autograd, launches), which varied
+    between processes: up to a third of some calls of 0.3-0.5 ms."""
+    graph = _capture(make_timed, 1)
+    ms = _bench_ms(graph.replay)
+    del graph
+    return ms
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -363,10 +382,12 @@ class Runner:
                     self.log(f"FAILED check: {name} {mode} {label}: {worst} rel err {errors[worst]:.2e} "
                              f"> {TOL[case.dtype]:.0e}; not timed")
                 elif self.timing:
-                    timed = case.timed(fn, mode, provider.mutates)
-                    ms = _latency_ms(timed) if kind == "decode" else _bench_ms(timed)
-                    del timed
-                    self._timed(record, ms)
+                    if kind == "decode":
+                        timed = case.timed(fn, mode, provider.mutates)
+                        self._timed(record, _latency_ms(timed))
+                        del timed
+                    else:
+                        self._timed(record, self._bandwidth_ms(case, fn, mode, provider.mutates, record, label))
                     if kind == "decode":
                         graph_record = dict(record, kind="decode_graph")
                         self.records.append(graph_record)
@@ -387,6 +408,20 @@ class Runner:
                 free_memory()
             self.records.append(record)
 
+    def _bandwidth_ms(self, case: Case, fn, mode: str, mutates: bool, record: dict, label: str) -> float:
+        """A bandwidth case's time: replayed from a CUDA graph, or as plain calls (noted) for a
+        provider that cannot be captured."""
+        try:
+            ms = _graph_bench_ms(lambda: case.timed(fn, mode, mutates))
+            record["timing"] = "cuda_graph"
+            return ms
+        except Exception as exc:
+            free_memory()
+            record.update(timing="plain_calls", note=f"timed as plain calls: CUDA graph capture: {_short(exc)}")
+            self.log(f"{record['provider']} {mode} {label}: {record['note']}")
+        timed = case.timed(fn, mode, mutates)
+        return _bench_ms(timed)
+
     def _timed(self, record: dict, ms: float) -> None:
         gbps = record["bytes"] / ms / 1e6
         record.update(status="ok", ms=ms, us=ms * 1e3, gbps=gbps, pct_copy=100 * gbps / self.copy_gbps)
@@ -396,7 +431,7 @@ class Runner:
                 "dtype": dtype_name(case.dtype), **case.shape, "shape": dict(case.shape),
                 "size": case.shape[case.op.axis], "axis": case.op.axis,
                 "bytes": case.op.min_bytes(case.shape, case.dtype, mode),
-                "status": None, "ms": None, "us": None, "gbps": None, "pct_copy": None,
+                "status": None, "timing": None, "ms": None, "us": None, "gbps": None, "pct_copy": None,
                 "copy_gbps": self.copy_gbps, "rel_err": None, "errors": {}, "tol": None, "note": None,
                 **self.env}
 

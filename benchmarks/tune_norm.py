@@ -4,7 +4,7 @@ Times the launchers directly (no autograd), M = 2^27 / N rows (256 MiB per bf16 
 against the device-to-device copy measured in the same run. Used to choose the tables in
 ``llmkernels/ops/norm.py``; results go to ``$OUT/tune_norm.json`` (or ``--out``).
 
-    python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd]
+    python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd] [--dtypes bf16,fp32]
     python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide-row backward: row-split configs vs blocked
     python benchmarks/tune_norm.py split-fwd [--ns 65536,131072]  # wide-row forward: row-split configs vs blocked
     python benchmarks/tune_norm.py defaults [--ns ...] [--which bwd]  # every dtype and op with the defaults
@@ -102,7 +102,7 @@ def main():
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--op", choices=["rms", "ln"], default="rms")
     ap.add_argument("--split-widths", default="4096,8192", help="split: columns per program to try")
-    ap.add_argument("--dtypes", default="bf16", help="split, split-fwd: input dtypes to try")
+    ap.add_argument("--dtypes", default="bf16", help="sweep, split, split-fwd: input dtypes to try")
     ap.add_argument("--residual", action="store_true", help="split-fwd: with the fused residual add")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -112,7 +112,7 @@ def main():
     ns = [int(v) for v in args.ns.split(",")]
     if args.what == "sweep":
         orig_fwd, orig_bwd = N_._fwd_config, N_._bwd_config
-        for n in ns:
+        for n, dname in itertools.product(ns, args.dtypes.split(",")):
             for mode in args.which.split(","):
                 best = None
                 for cfg in (fwd_candidates(n) if mode == "fwd" else bwd_candidates(n)):
@@ -121,12 +121,12 @@ def main():
                         N_._fwd_config = lambda *_, cfg=cfg: cfg + (False,)
                     else:
                         N_._bwd_config = lambda *_, cfg=cfg: cfg[:5] + (0, cfg[5])
-                    rec = time_case(n, torch.bfloat16, args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
+                    rec = time_case(n, DTYPES[dname], args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
                     if rec and (best is None or rec["gbps"] > best["gbps"]):
                         best = rec
                     torch.cuda.empty_cache()
                 N_._fwd_config, N_._bwd_config = orig_fwd, orig_bwd
-                print(f"{mode} n={n:6d} best {best['cfg']} {best['gbps']:.0f} GB/s ({best['pct']:.1%})", flush=True)
+                print(f"{mode} {dname} n={n:6d} best {best['cfg']} {best['gbps']:.0f} GB/s ({best['pct']:.1%})", flush=True)
     elif args.what == "split":
         # (columns per program, num_warps, programs per SM); None = the blocked loops
         widths = [int(v) for v in args.split_widths.split(",")]

@@ -388,12 +388,14 @@ def test_heuristics_cover_every_width(n):
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
             assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
             assert bm * bn <= 65536
-            bm, bn, warps, one_pass, per_sm, max_programs, prefetch = norm_ops._bwd_config(n, m, is_rms, sms)
-            assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
-            assert not prefetch or (one_pass and not max_programs)
-            assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-            assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
-            assert bm * bn <= 65536
+            for elem_size in (2, 4):
+                bm, bn, warps, one_pass, per_sm, max_programs, prefetch = norm_ops._bwd_config(
+                    n, m, is_rms, sms, elem_size)
+                assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
+                assert not prefetch or (one_pass and not max_programs)
+                assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
+                assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
+                assert bm * bn <= 65536
 
 
 def test_decode_rules_are_the_measured_configs():

@@ -225,6 +225,29 @@ def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
         assert graph[("syncs", m)]["status"] == "error" and "CUDA graph capture" in graph[("syncs", m)]["note"]
 
 
+def test_a_failed_capture_gives_its_memory_back(device):
+    """A capture broken by a host sync must not keep its pool: the memory reserved after each
+    failed capture stays where it was after the first."""
+    if device == "cpu":
+        pytest.skip("CUDA graphs need a GPU")
+    from llmkernels.bench import runner as runner_mod
+    x = torch.randn(2**25, device=device)  # 128 MiB
+
+    def make():
+        def fn():
+            y = x * 2
+            y.sum().item()
+            return y
+        return fn
+    reserved = []
+    for _ in range(3):
+        with pytest.raises(Exception):
+            runner_mod._graph_bench_ms(make)
+        runner_mod.free_memory()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[2] <= reserved[0], reserved
+
+
 def test_decode_is_timed_plain_and_in_a_cuda_graph(device):
     """Decode sizes give two records per provider and mode: plain calls and a CUDA graph (every
     mode captures, the bwd one with its forward on the capturing stream)."""

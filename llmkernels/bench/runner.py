@@ -3,7 +3,9 @@
 Bandwidth cases are timed with ``triton.testing.do_bench`` (median; it flushes L2 before each
 call) replaying a CUDA graph of one call, so the time is the GPU's: the host's work for a plain
 call (Python, autograd, launches) can take as long as a 0.3-0.5 ms call and varied between
-processes. A provider that breaks capture is timed as plain calls, and its record says so. Decode cases (small M) are timed twice. ``decode``: the latency an eager user sees, CUDA
+processes. A provider that breaks capture is timed as plain calls, and its record says so.
+
+Decode cases (small M) are timed twice. ``decode``: the latency an eager user sees, CUDA
 events around a loop of ``DECODE_CALLS`` back-to-back plain calls, median of ``DECODE_REPEATS``
 loops, so Python, autograd and launch overhead count. ``decode_graph``: the GPU time alone, as a
 decode step captured in a CUDA graph pays it (vLLM, SGLang, ``torch.compile(mode="reduce-overhead")``):

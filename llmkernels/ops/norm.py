@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish,
-                      row_slice, split_grid, use_kernels)
+from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs,
+                      publish, row_slice, split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -74,6 +74,12 @@ BWD_SPLIT = {
 # --------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------
+# Triton's interpreter calls a tl.reduce combine function element by element in Python (a
+# 257 x 4096 LayerNorm backward took minutes in CI); there the pair is summed by two tl.sum, which
+# it runs in NumPy.
+PAIR_REDUCE = tl.constexpr(not INTERPRET)
+
+
 @triton.jit
 def _add_pair(a0, b0, a1, b1):
     """Combine function of two sums taken in one reduction (``tl.reduce((a, b), axis, _add_pair)``):
@@ -431,9 +437,12 @@ def _norm_bwd_kernel(
         else:
             if IS_RMS:
                 mean_xw = tl.sum(x_hat * wdy, axis=1) / N
-            else:  # both row sums in one reduction
+            elif PAIR_REDUCE:  # both row sums in one reduction
                 sum_xw, sum_w = tl.reduce((x_hat * wdy, wdy), 1, _add_pair)
                 mean_xw, mean_w = sum_xw / N, sum_w / N
+            else:
+                mean_xw = tl.sum(x_hat * wdy, axis=1) / N
+                mean_w = tl.sum(wdy, axis=1) / N
         if IS_RMS:
             dx = (wdy - x_hat * mean_xw[:, None]) * rstd[:, None]
         else:

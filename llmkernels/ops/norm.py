@@ -434,15 +434,12 @@ def _norm_bwd_kernel(
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
-        else:
-            if IS_RMS:
-                mean_xw = tl.sum(x_hat * wdy, axis=1) / N
-            elif PAIR_REDUCE:  # both row sums in one reduction
-                sum_xw, sum_w = tl.reduce((x_hat * wdy, wdy), 1, _add_pair)
-                mean_xw, mean_w = sum_xw / N, sum_w / N
-            else:
-                mean_xw = tl.sum(x_hat * wdy, axis=1) / N
-                mean_w = tl.sum(wdy, axis=1) / N
+        elif PAIR_REDUCE and not IS_RMS:  # LayerNorm's two row sums in one reduction
+            sum_xw, sum_w = tl.reduce((x_hat * wdy, wdy), 1, _add_pair)
+            mean_xw, mean_w = sum_xw / N, sum_w / N
+        else:  # (RMSNorm does not use mean_w)
+            mean_xw = tl.sum(x_hat * wdy, axis=1) / N
+            mean_w = tl.sum(wdy, axis=1) / N
         if IS_RMS:
             dx = (wdy - x_hat * mean_xw[:, None]) * rstd[:, None]
         else:

@@ -81,6 +81,14 @@ PAIR_REDUCE = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
+def _shifted_var(mean_shifted, mean_sq_shifted):
+    """A row's variance from the mean and mean square of its elements less a shift (the row's
+    first element, so that the variance does not cancel when |mean| >> std), clamped at 0
+    against rounding."""
+    return tl.maximum(mean_sq_shifted - mean_shifted * mean_shifted, 0.0)
+
+
+@triton.jit
 def _add_pair(a0, b0, a1, b1):
     """Combine function of two sums taken in one reduction (``tl.reduce((a, b), axis, _add_pair)``):
     one pass through shared memory and its barriers instead of two."""
@@ -160,7 +168,7 @@ def _norm_fwd_kernel(
                 xs = tl.where(mask, x - shift[:, None], 0.0)
                 mean_shifted = tl.sum(xs, axis=1) / N
                 mean = shift + mean_shifted
-                rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(xs * xs, axis=1) / N - mean_shifted * mean_shifted, 0.0) + eps)
+                rstd = 1.0 / tl.sqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
                 x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
             if not EARLY_W:
                 w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
@@ -195,7 +203,7 @@ def _norm_fwd_kernel(
             else:
                 mean_shifted = tl.sum(acc_sum, axis=1) / N
                 mean = shift + mean_shifted
-                var = tl.maximum(tl.sum(acc_sq, axis=1) / N - mean_shifted * mean_shifted, 0.0)
+                var = _shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
             rstd = 1.0 / tl.sqrt(var + eps)
             # Pass 2: normalize; the row was just read, so most of it comes back from L2.
             for start in range(0, N, BLOCK_N):
@@ -246,7 +254,7 @@ def _fwd_split_finish(x, shift, sums, slot_idx, w, b, mask, N, eps, weight_offse
         mean = 0.0
     else:
         mean_shifted = tl.sum(tl.sum(tl.where(slot_idx % 2 == 1, sums, 0.0), axis=1), axis=0) / N
-        var = tl.maximum(var - mean_shifted * mean_shifted, 0.0)
+        var = _shifted_var(mean_shifted, var)
         mean = shift + mean_shifted
         x = tl.where(mask, x - shift, 0.0) - mean_shifted
     rstd = 1.0 / tl.sqrt(var + eps)

@@ -44,14 +44,17 @@ def fwd_candidates(n):
 
 
 def bwd_candidates(n):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, programs/SM, prefetch the next tile)."""
+    """(BLOCK_M, BLOCK_N, warps, one_pass, programs/SM, prefetch): prefetch 0 none, 1 the next
+    tile into registers, 3 / 4 Triton's pipelining in that many stages (where the shared-memory
+    buffers of bf16 x, dy and w, stages - 1 of each, fit the programs of an SM)."""
     cands = []
     bn = triton.next_power_of_2(n)
     if n <= 16384:
         cands += [(bm, bn, nw, True, ps, pf) for bm, nw, ps, pf in
-                  itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4], [False, True])
-                  if 1024 <= bm * bn <= 16384 and nw * 32 * 4 <= bm * bn]
-    cands += [(bm, c, nw, False, ps, False) for bm, c, nw, ps in itertools.product([2, 4], [1024, 2048], [4, 8], [2, 4])
+                  itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4], [0, 1, 3, 4])
+                  if 1024 <= bm * bn <= 16384 and nw * 32 * 4 <= bm * bn
+                  and (pf < 2 or ps * (pf - 1) * (4 * bm * bn + 2 * bn) <= 227 * 1024)]
+    cands += [(bm, c, nw, False, ps, 0) for bm, c, nw, ps in itertools.product([2, 4], [1024, 2048], [4, 8], [2, 4])
               if c < n and n >= 8192]
     return cands
 

@@ -148,17 +148,18 @@ def test_residual_grads_do_not_alias(device):
     assert not torch.equal(x.grad, r.grad), "x.grad and residual.grad share storage"
 
 
+@pytest.mark.parametrize("n", [40001, 70001])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_wide_rows(is_rms, dtype, split, device, monkeypatch):
+def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     """Rows wider than the one-pass limits, with and without a residual: forward and backward split
     across programs (on a GPU; the interpreter cannot run programs that wait for each other; the
-    forward where FWD_SPLIT has the case) or blocked."""
+    forward where FWD_SPLIT has the case) or blocked (in half chunks up to
+    FWD_BLOCKED_HALF_CHUNK_MAX)."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     monkeypatch.setattr(_common, "ROW_SPLIT", split)
-    n = 70001
     assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
     res = torch.randn(3, n, device=device, dtype=dtype)
@@ -193,7 +194,7 @@ def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda is_rms, elem_size, has_res: (128 // parts, 4, skew))
+    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda is_rms, elem_size, has_res, n: (128 // parts, 4, skew))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_split_config", lambda is_rms, elem_size: (128 // parts, 4, skew))
     assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
@@ -217,11 +218,12 @@ def test_blocked_path_forced(is_rms, device, monkeypatch):
     check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch"])
+@pytest.mark.parametrize("prefetch", [0, 1, 3], ids=["load", "prefetch", "pipelined"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monkeypatch):
     """The one-pass backward with 2-row tiles, several a program and a last one half full (the
-    prefetch then reads nothing past the last row), per-head weights and a residual too."""
+    prefetch then reads nothing past the last row), per-head weights and a residual too; loads
+    in the loop, the next tile into registers, or the loop pipelined by Triton in 3 stages."""
     cfg = (2, 128, 4, True, 1, 3, prefetch)  # 3 programs, 2 x 128 tiles
     monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: cfg)
     x = torch.randn(5, 3, 100, device=device, dtype=torch.bfloat16)
@@ -396,6 +398,12 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
+    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward of 2-byte RMSNorm, the blocked loop's chunk
+        narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
+        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == narrow
+        assert norm_ops._fwd_split_config(True, 4, False, n) is not None
+        assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
+        assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
 
 
 def test_decode_rules_are_the_measured_configs():
@@ -407,9 +415,9 @@ def test_decode_rules_are_the_measured_configs():
     assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
     assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
     assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured
-    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64, False)
-    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 2, 64, False)
-    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64, False)
+    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64, 0)
+    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 1, 64, 0)
+    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64, 0)
     assert norm_ops._bwd_config(4096, 2**15, True, 132)[-2] == 0
 
 

@@ -35,6 +35,12 @@ from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, launch, n
 FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
 FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
+# Rows of 2-byte elements up to this wide loop over half that chunk: H100, bf16, 256 MiB
+# (tune-norm-h100-2026-11-23/14-*): LayerNorm 87.9 / 85.4% of copy at 40960 / 49152 (16384-element
+# chunks: 70.9 / 80.0), RMSNorm 95.8 / 92.9 (77.6 / 85.7); at 65536 and wider the full chunk is
+# faster (LayerNorm 82.5 against 78.7), and fp32 (add + RMSNorm) keeps it (97.8 / 93.7 at 40960 /
+# 49152 against 95.6 / 92.1).
+FWD_BLOCKED_HALF_CHUNK_MAX = 49152
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
 # Backward programs at most when the rows are few (decode sizes, M <= 256): each program takes
 # its rows in as few tiles as fit and writes a dW/dB partial that a second kernel sums, so the
@@ -57,11 +63,14 @@ BWD_DECODE_PROGRAMS = 64
 # loop 87.6 / 81.4; in step with the row 84.9 / 82.8); bf16 add + RMSNorm 96.7 / 97.1 (98.8 /
 # 86.4); fp32 RMSNorm 96-97 (71-92), fp32 LayerNorm 88-89 (66-81). bf16 LayerNorm stays blocked
 # (split 81.0 / 77.8 in step, ~50 skewed, vs 82.4 / 77.4); 32768-column slices spill (70-75% and less).
+# The last field is the narrowest row that takes the split: 2-byte RMSNorm rows up to 49152 wide
+# are faster in the blocked loop with 8192-element chunks (95.8 / 92.9% at 40960 / 49152; split
+# 86.6 / 92.7; 14-*).
 FWD_SPLIT = {
-    (True, 2, False): (16384, 8, True),
-    (True, 2, True): (16384, 8, False),
-    (True, 4, False): (16384, 8, False),
-    (False, 4, False): (16384, 8, False),
+    (True, 2, False): (16384, 8, True, 49153),
+    (True, 2, True): (16384, 8, False, 0),
+    (True, 4, False): (16384, 8, False, 0),
+    (False, 4, False): (16384, 8, False, 0),
 }
 BWD_SPLIT = {
     (True, 2): (8192, 8, True),
@@ -401,7 +410,9 @@ def _norm_bwd_kernel(
     Grid: (programs, heads, column chunks). Program p of head h owns rows
     ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row
     dot products are computed here; with several they come from ``_norm_bwd_dots_kernel``.
-    With ``PREFETCH`` a program issues its next tile's loads before it reduces the current one.
+    PREFETCH 1: a program issues its next tile's loads before it reduces the current one;
+    k >= 2: Triton pipelines the row loop in k stages, its loads copied asynchronously into
+    shared memory k - 1 tiles ahead (no registers held for them); 0: neither.
     The weight is loaded again for every tile (from L1, kept there with ``evict_last``) rather
     than held across the loop: its registers are what the 16384-column tile was spilling.
     """
@@ -413,11 +424,11 @@ def _norm_bwd_kernel(
     in_ty = X.dtype.element_ty
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
+    if PREFETCH == 1:
         x_next, dy_next = _tile_load(X, DY, prog, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy,
                                      BLOCK_M)
-    for tile in range(prog, tl.cdiv(rows_per_head, BLOCK_M), n_progs):
-        if PREFETCH:
+    for tile in tl.range(prog, tl.cdiv(rows_per_head, BLOCK_M), n_progs, num_stages=max(PREFETCH, 1)):
+        if PREFETCH == 1:
             x, dy = x_next, dy_next
             x_next, dy_next = _tile_load(X, DY, tile + n_progs, rows_per_head, HEADS, head, cols, col_mask,
                                          stride_x, stride_dy, BLOCK_M)
@@ -602,24 +613,29 @@ def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr
 # --------------------------------------------------------------------------------------------
 # launch heuristics
 # --------------------------------------------------------------------------------------------
-def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
+def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2):
     """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, early_w) for the forward of M
-    rows of N elements on ``sms`` multiprocessors (0: unknown, no decode rule); programs per SM
-    0 = one program per tile (no persistent loop); early_w: the weight loaded with the row.
+    rows of N elements of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no decode
+    rule); programs per SM 0 = one program per tile (no persistent loop); early_w: the weight
+    loaded with the row.
 
     H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
     up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
     thread, 98-99% of copy (16 warps on the same tiles: 72-88%). One row per program up to
     32768: about 64 elements a thread for RMSNorm; LayerNorm 4 warps (two programs an SM) up to
     16384 (97-99%; 8 or 16 warps: 73-78%), 32 warps at 32768 (96%). Wider rows loop over
-    16384-element chunks with 32 warps (a persistent grid measured no better).
+    16384-element chunks with 32 warps (a persistent grid measured no better), 8192-element
+    ones for 2-byte rows up to FWD_BLOCKED_HALF_CHUNK_MAX.
 
     Too few rows of 1K-8K elements to fill the GPU (decode sizes): latency, not bandwidth. A row
     per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs, M = 1-256:
     0.2-0.5 us faster than the bandwidth configuration; benchmarks/results/decode-h100-2026-11-23/).
     """
     if n > FWD_ONE_PASS_MAX:
-        return FWD_BLOCKED + (False,)
+        block_m, chunk, num_warps, one_pass, per_sm = FWD_BLOCKED
+        if n <= FWD_BLOCKED_HALF_CHUNK_MAX and elem_size == 2:
+            chunk //= 2
+        return block_m, chunk, num_warps, one_pass, per_sm, False
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
         tile = 8192 if is_rms else 4096
@@ -633,23 +649,26 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0):
     return block_m, block_n, num_warps, True, 0, False
 
 
-# block_n -> (tile elements, num_warps, programs per SM, prefetch) of the one-pass backward. With
-# prefetch, a program loads its next tile's x and dy before it reduces the current one. H100 sweep
-# (bf16, 256 MiB, benchmarks/results/tune-norm-h100-2026-11-23/8-*): RMSNorm 95.9 / 94.7 / 97.6 /
-# 94.6 / 95.7% of copy at 1024 ... 16384 (16384: the prefetch spills); LayerNorm 90.9 / 89.4 / 90.0
-# / 83.3 at 1024 ... 8192 (without prefetch 83 / 86 / 85 / 82).
+# block_n -> (tile elements, num_warps, programs per SM, prefetch) of the one-pass backward;
+# prefetch as ``_norm_bwd_kernel``'s PREFETCH: 0 none, 1 the next tile into registers, k >= 2
+# Triton's pipelining with k stages (tiles k - 1 ahead copied into shared memory). H100 sweeps
+# (bf16, 256 MiB, benchmarks/results/tune-norm-h100-2026-11-23/8-*, 14-*): LayerNorm 94.5 / 94.5 /
+# 94.4 / 93.9% of copy at 1024 ... 8192 pipelined (registers: 91.4 / 90.1 / 90.5 / 83.8, none: 83 /
+# 86 / 85 / 82); RMSNorm 95.9 / 95.9 at 1024 / 2048 pipelined (registers 90.0 / 92.9), 95.7 / 95.2
+# / 95.2 at 4096 ... 16384 as before (pipelining no better there; 16384: it and the register
+# prefetch spill).
 _BWD_TABLE = {
-    True: {1024: (4096, 8, 2, True), 2048: (2048, 4, 4, True), 4096: (4096, 16, 2, True),
-           8192: (8192, 16, 1, True), 16384: (16384, 16, 1, False)},
-    False: {1024: (4096, 4, 2, True), 2048: (2048, 8, 4, True), 4096: (4096, 8, 2, True),
-            8192: (8192, 16, 1, True)},
+    True: {1024: (4096, 8, 1, 4), 2048: (4096, 4, 1, 4), 4096: (4096, 16, 2, 1),
+           8192: (8192, 16, 1, 1), 16384: (16384, 16, 1, 0)},
+    False: {1024: (4096, 4, 1, 4), 2048: (4096, 4, 1, 4), 4096: (8192, 16, 1, 3),
+            8192: (8192, 16, 1, 3)},
 }
 # fp32 inputs where their own sweep found better (11-*): RMSNorm 101 / 98.9 / 96.9% at 2048 / 4096
 # / 16384 (the 2-byte entries: 95.7 / 90.2 / 89), LayerNorm 98.4 / 97.1 / 97.2 at 2048 / 4096 / 8192
 # (83 / 86-88 / 92-96).
 _BWD_TABLE_FP32 = {
-    True: {2048: (2048, 8, 2, True), 4096: (8192, 16, 1, True), 16384: (16384, 8, 1, False)},
-    False: {2048: (4096, 16, 1, True), 4096: (8192, 8, 1, True), 8192: (8192, 8, 1, True)},
+    True: {2048: (2048, 8, 2, 1), 4096: (8192, 16, 1, 1), 16384: (16384, 8, 1, 0)},
+    False: {2048: (4096, 16, 1, 1), 4096: (8192, 8, 1, 1), 8192: (8192, 8, 1, 1)},
 }
 
 
@@ -667,7 +686,7 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     LayerNorm at M = 256: 8192-element tiles at most, for the same spills).
     """
     if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
-        return BWD_BLOCKED + (0, False)
+        return BWD_BLOCKED + (0, 0)
     block_n = max(16, next_pow2(n))
     width = max(1024, block_n)
     fp32_cfg = _BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None
@@ -676,13 +695,15 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
         max_tile = 16384 if is_rms else 8192
         block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
-        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS, False
+        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS, 0
     return block_m, block_n, num_warps, True, per_sm, 0, prefetch
 
 
-def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool):
-    """(columns per program, num_warps, skew) of the split forward, or None: the blocked loop."""
-    return FWD_SPLIT.get((is_rms, elem_size, has_residual))
+def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
+    """(columns per program, num_warps, skew) of the split forward of rows of ``n`` (wider than
+    FWD_ONE_PASS_MAX), or None: the blocked loop."""
+    cfg = FWD_SPLIT.get((is_rms, elem_size, has_residual))
+    return cfg[:3] if cfg is not None and n >= cfg[3] else None
 
 
 def _split_config(is_rms: bool, elem_size: int):
@@ -705,7 +726,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    split_cfg = (_fwd_split_config(is_rms, x.element_size(), residual is not None)
+    split_cfg = (_fwd_split_config(is_rms, x.element_size(), residual is not None, n)
                  if n > FWD_ONE_PASS_MAX and heads == 1 else None)
     split = split_grid(n, m, split_cfg[0], dev) if split_cfg is not None else None
     if split is not None:
@@ -723,7 +744,8 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
             SKEW=split_cfg[2] and residual is None, num_warps=split_cfg[1],
         )
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1))
+    block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
+                                                                        x.element_size())
     n_tiles = cdiv(m, block_m)
     grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
     launch(_norm_fwd_kernel, grid,

@@ -131,13 +131,13 @@ def main():
                 N_._fwd_config, N_._bwd_config = orig_fwd, orig_bwd
                 print(f"{mode} {dname} n={n:6d} best {best['cfg']} {best['gbps']:.0f} GB/s ({best['pct']:.1%})", flush=True)
     elif args.what == "split":
-        # (columns per program, num_warps, programs per SM); None = the blocked loops
+        # (columns per program, num_warps, stages: 0 in step, >= 2 a row ahead, pipelined); None = blocked
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + [(c, nw, skew) for c, nw, skew in itertools.product(widths, [8, 16], [False, True])]
+        cands = [None] + list(itertools.product(widths, [8, 16], [0, 3, 4]))
         saved = N_._split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             _common.ROW_SPLIT = cfg is not None
-            N_._split_config = (lambda is_rms, elem_size, cfg=cfg: cfg) if cfg else saved[0]
+            N_._split_config = (lambda is_rms, dtype, cfg=cfg: cfg) if cfg else saved[0]
             rec = time_case(n, DTYPES[dname], args.op == "rms", False, "bwd", records, ceiling, "split", cfg)
             if rec:
                 print(f"{args.op} bwd {dname} n={n:6d} {str(cfg):22s} {rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})",
@@ -145,9 +145,10 @@ def main():
             torch.cuda.empty_cache()
         N_._split_config, _common.ROW_SPLIT = saved
     elif args.what == "split-fwd":
-        # (columns per program, num_warps, skew); None = the blocked loop
+        # (columns per program, num_warps, skew, stages); None = the blocked loop
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + list(itertools.product(widths, [8, 16], [False, True]))
+        cands = [None] + [(c, nw, skew, stages) for c, nw, (skew, stages) in
+                          itertools.product(widths, [8, 16], [(False, 0), (True, 0), (False, 3), (False, 4)])]
         saved = N_._fwd_split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             _common.ROW_SPLIT = cfg is not None

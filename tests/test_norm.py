@@ -182,21 +182,27 @@ def test_layer_norm_offset_rows(dtype, device):
         check_norm(False, x, w, b, torch.randn_like(x), prenorm=True)
 
 
-@pytest.mark.parametrize("skew", [False, True], ids=["lockstep", "skewed"])
+# (forward skewed?, forward stages, backward stages)
+SPLIT_MODES = {"lockstep": (False, 0, 0), "skewed": (True, 0, 3), "pipelined": (False, 3, 3)}
+
+
+@pytest.mark.parametrize("mode", SPLIT_MODES)
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_split_path_forced(is_rms, dtype, parts, skew, device, monkeypatch):
+def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
     """The split forward and backward at a small width (limits lowered): one part per row (also
     under the interpreter) or four, the last one partly masked; more rows than groups in flight;
-    the backward's exchange in step with the row or a row ahead."""
+    the exchange in step with the row or a row ahead, the next row in registers or the loads
+    pipelined by Triton."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
+    fwd_skew, fwd_stages, bwd_stages = SPLIT_MODES[mode]
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda is_rms, elem_size, has_res, n: (128 // parts, 4, skew))
+    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_skew, fwd_stages))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_split_config", lambda is_rms, elem_size: (128 // parts, 4, skew))
+    monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages))
     assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
@@ -381,6 +387,18 @@ def test_errors(device):
         lk.rms_norm(x, w, residual=torch.ones(4, 8, device=other))
 
 
+def test_pipeline_stages_fit_shared_memory(monkeypatch):
+    """Stages are lowered until their buffers (stages - 1 of them) fit a program's shared memory,
+    and dropped (0) when not one does; nothing changes off a GPU or without pipelining."""
+    monkeypatch.setattr(_common, "_shared_memory", lambda index: 232448)  # H100
+    gpu = torch.device("cuda", 0)
+    assert _common.fit_stages(4, 65536, gpu) == 4  # 3 x 64 KiB
+    assert _common.fit_stages(4, 98304, gpu) == 3  # fp32 x, dy and dh of 8192 columns
+    assert _common.fit_stages(3, 250000, gpu) == 0
+    assert _common.fit_stages(1, 10**9, gpu) == 1 and _common.fit_stages(0, 10**9, gpu) == 0
+    assert _common.fit_stages(4, 10**9, torch.device("cpu")) == 4
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
@@ -398,6 +416,9 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
+    for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
+        cols, warps, stages = norm_ops._split_config(is_rms, dtype)  # every dtype the kernels take
+        assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
     if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward of 2-byte RMSNorm, the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
         assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == narrow

@@ -12,6 +12,7 @@ from triton import knobs
 # Triton's interpreter runs the real kernel code on CPU tensors; it must be chosen before triton
 # is imported, so it is read once here.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET_CONST = tl.constexpr(INTERPRET)
 
 
 def _interpreter_loop_bounds_compat() -> None:
@@ -54,6 +55,22 @@ def persistent_programs(device: torch.device, per_sm: int) -> int:
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _sm_count(index) * per_sm
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def fit_stages(stages: int, stage_bytes: int, device: torch.device) -> int:
+    """``stages`` of Triton's software pipelining (< 2: none) for a loop that keeps ``stage_bytes``
+    of loads in flight per stage, lowered until its ``stages - 1`` shared-memory buffers fit a
+    program beside its reductions' scratch; 0 (no pipelining) when not even one fits."""
+    if stages < 2 or device.type != "cuda":
+        return stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fit = 1 + (_shared_memory(index) - 8192) // stage_bytes
+    return min(stages, fit) if fit >= 2 else 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -167,16 +184,31 @@ def publish(SLOT, value):
     tl.atomic_xchg(SLOT, bits | 0x100000000, sem="relaxed", scope="gpu")
 
 
+# PTX of one slot's wait: spin on volatile loads until its tag (high word) is set; a masked-off
+# slot (mask 0) reads as published zero. A loop in the kernel itself would keep Triton from
+# pipelining the row loop around it (its pipeliner skips loops that hold loops), so the spin is
+# inline assembly, one per element a thread holds: no copy of the block is left stale.
+_SPIN_ON_SLOT = tl.constexpr("""{
+    .reg .pred %p_masked, %p_unset;
+    setp.eq.s32 %p_masked, $2, 0;
+    mov.b64 $0, 0x100000000;
+    @%p_masked bra.uni SLOT_DONE;
+    SLOT_SPIN:
+    ld.volatile.global.b64 $0, [$1];
+    setp.lt.u64 %p_unset, $0, 0x100000000;
+    @%p_unset bra.uni SLOT_SPIN;
+    SLOT_DONE:
+}""")
+
+
 @triton.jit
 def collect(SLOTS, mask):
     """fp32 values of the slots ``SLOTS`` (a block of pointers, any shape) where ``mask``, else 0."""
-    slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
-    while tl.min(tl.ravel(slots >> 32), axis=0) == 0:
+    if INTERPRET_CONST:  # no inline assembly there (and no sibling to wait for: one part a row)
         slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
-    # A block smaller than the program is held in several copies (threads), each loaded on its
-    # own, and the loop's reduction need not look at every copy: a copy can still hold an
-    # unpublished slot (measured on H100: 14 of 120 cross-entropy calls took a zero for a
-    # sibling's part). Every slot is published by now, so such copies load it again.
-    stale = (slots >> 32) == 0
-    slots = tl.where(stale, tl.load(SLOTS, mask=mask & stale, other=0x100000000, volatile=True), slots)
+        while tl.min(tl.ravel(slots >> 32), axis=0) == 0:
+            slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
+    else:
+        slots = tl.inline_asm_elementwise(_SPIN_ON_SLOT, "=l,l,r", [SLOTS, mask.to(tl.int32)], dtype=tl.int64,
+                                          is_pure=False, pack=1)
     return (slots & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, launch, next_pow2, persistent_programs,
-                      publish, row_slice, split_grid, use_kernels)
+from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, fit_stages, launch, next_pow2,
+                      persistent_programs, publish, row_slice, split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -52,31 +52,39 @@ BWD_DECODE_PROGRAMS = 64
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
 # program of the grid is resident at once, which the exchange needs:
-# (RMSNorm?, bytes per element) -> (columns per program, num_warps, skewed exchange).
-# LLMKERNELS_ROW_SPLIT=0 turns the split off (``_common.split_grid``; the blocked loops then
-# take every wide row).
-# H100 sweeps (benchmarks/results/tune-norm-h100-2026-11-22/, split_*): see the README there.
+# (RMSNorm?, dtype) -> (columns per program, num_warps, stages: 0 the exchange in step, >= 2 a
+# row ahead with the loads pipelined by Triton). LLMKERNELS_ROW_SPLIT=0 turns the split off
+# (``_common.split_grid``; the blocked loops then take every wide row).
+# H100, 256 MiB (benchmarks/results/tune-norm-h100-2026-11-23/16-*): bf16 RMSNorm 94.5 / 92.8 /
+# 92.3% of copy at 32768 / 65536 / 131072 (the exchange a row ahead with the next row in
+# registers, as before: 76 / 73 / 75), bf16 LayerNorm 90.1 / 89.6 / 87.2 / 86.7 at 16384 ...
+# 131072 (81 / 82 / 76 / 75), fp32 LayerNorm 96.0 / 97.4 / 97.3 at 16384 / 32768 / 65536 (94 /
+# 86 / 91); fp32 RMSNorm in step 99.8 / 100.1 (pipelined 98.2-98.4). fp16 RMSNorm (Llama's
+# rounding of x_hat to fp16) needs 16 warps: 94.7 / 93.7 / 82.7 (8 warps as bf16: 75 / 73 / 73).
 # The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``), where
 # measured faster than the blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per
-# program, num_warps, skewed exchange). H100, 256 MiB, N = 65536 / 131072 (49152 too for fp32;
-# benchmarks/results/tune-norm-h100-2026-11-23/): bf16 RMSNorm skewed 93.0 / 92.0% of copy (blocked
-# loop 87.6 / 81.4; in step with the row 84.9 / 82.8); bf16 add + RMSNorm 96.7 / 97.1 (98.8 /
-# 86.4); fp32 RMSNorm 96-97 (71-92), fp32 LayerNorm 88-89 (66-81). bf16 LayerNorm stays blocked
-# (split 81.0 / 77.8 in step, ~50 skewed, vs 82.4 / 77.4); 32768-column slices spill (70-75% and less).
-# The last field is the narrowest row that takes the split: 2-byte RMSNorm rows up to 49152 wide
-# are faster in the blocked loop with 8192-element chunks (95.8 / 92.9% at 40960 / 49152; split
-# 86.6 / 92.7; 14-*).
+# program, num_warps, skewed exchange, stages, narrowest row split). H100, 256 MiB, N = 65536 /
+# 131072 (49152 too for fp32; benchmarks/results/tune-norm-h100-2026-11-23/): bf16 RMSNorm skewed
+# 93.0 / 92.0% of copy (blocked loop 87.6 / 81.4; in step with the row 84.9 / 82.8; pipelined by
+# Triton 85-88, 16-*); bf16 add + RMSNorm 96.7 / 97.1 (98.8 / 86.4); fp32 RMSNorm 96-97 (71-92);
+# fp32 LayerNorm in step with its loads pipelined in 3 stages 95.3 / 96.3 at 49152 / 65536 (the
+# next row in registers: 86.3 / 91.5; 16-*). bf16 LayerNorm stays blocked (split 81.0 / 77.8 in
+# step, ~50 skewed, vs 82.4 / 77.4; pipelined 66-72); 32768-column slices spill (70-75% and
+# less). 2-byte RMSNorm rows up to 49152 wide are faster in the blocked loop with 8192-element
+# chunks (95.8 / 92.9% at 40960 / 49152; split 86.6 / 92.7; 14-*).
 FWD_SPLIT = {
-    (True, 2, False): (16384, 8, True, 49153),
-    (True, 2, True): (16384, 8, False, 0),
-    (True, 4, False): (16384, 8, False, 0),
-    (False, 4, False): (16384, 8, False, 0),
+    (True, 2, False): (16384, 8, True, 0, 49153),
+    (True, 2, True): (16384, 8, False, 0, 0),
+    (True, 4, False): (16384, 8, False, 0, 0),
+    (False, 4, False): (16384, 8, False, 3, 0),
 }
 BWD_SPLIT = {
-    (True, 2): (8192, 8, True),
-    (True, 4): (8192, 16, False),
-    (False, 2): (8192, 8, False),
-    (False, 4): (4096, 16, True),
+    (True, torch.bfloat16): (8192, 8, 3),
+    (True, torch.float16): (8192, 16, 4),
+    (True, torch.float32): (8192, 16, 0),
+    (False, torch.bfloat16): (8192, 8, 3),
+    (False, torch.float16): (8192, 8, 3),
+    (False, torch.float32): (8192, 8, 4),
 }
 
 
@@ -254,9 +262,12 @@ def _fwd_split_publish(X, RES, row, stride_x, stride_res, x, mask, M, SLOT, in_t
 
 
 @triton.jit
-def _fwd_split_finish(x, shift, sums, slot_idx, w, b, mask, N, eps, weight_offset, in_ty: tl.constexpr,
-                      IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
-    """(y, mean, rstd) of a row slice from the row's collected sums."""
+def _fwd_split_write(x, shift, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask, N, stride_y,
+                     eps, weight_offset, PARTS: tl.constexpr, in_ty: tl.constexpr, IS_RMS: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
+    """Collect a row's sums from its slots and write y of its slice (part 0: and the row's
+    statistics)."""
+    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
     var = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0) / N
     x = x.to(tl.float32)
     if IS_RMS:
@@ -267,7 +278,12 @@ def _fwd_split_finish(x, shift, sums, slot_idx, w, b, mask, N, eps, weight_offse
         mean = shift + mean_shifted
         x = tl.where(mask, x - shift, 0.0) - mean_shifted
     rstd = 1.0 / tl.sqrt(var + eps)
-    return _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE), mean, rstd
+    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_STATS and part == 0:
+        tl.store(RSTD + row, rstd)
+        if not IS_RMS:
+            tl.store(MEAN + row, mean)
 
 
 @triton.jit
@@ -279,6 +295,7 @@ def _norm_fwd_split_kernel(
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Forward of rows too wide for one program, reading x once: ``PARTS`` programs share each
     row, each holding a ``BLOCK_N``-column slice (and its weight and bias) in registers. Each
@@ -288,8 +305,10 @@ def _norm_fwd_split_kernel(
     row's sums and writes its slice of y; part 0 writes the row's statistics. With ``SKEW`` (no
     residual) the exchange runs a row ahead, as in the split backward: the iteration that writes
     row r's y publishes row r + 1's sums and loads row r + 2 (rows past the last publish into the
-    spare slots). Grid: (groups * PARTS,), all resident at once; group g takes rows g, g +
-    groups, ..."""
+    spare slots). With ``STAGES`` >= 2 (instead of SKEW) the exchange is in step and Triton
+    pipelines the row loop in that many stages, the next rows' slices copied into shared memory
+    (no registers held for them). Grid: (groups * PARTS,), all resident at once; group g takes
+    rows g, g + groups, ..."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -302,6 +321,19 @@ def _norm_fwd_split_kernel(
         slot_mask = (slot_idx < 2 * PARTS) & (slot_idx % 2 == 0)
     else:
         slot_mask = slot_idx < 2 * PARTS
+    if STAGES > 0:
+        for row in tl.range(group, M, groups, num_stages=STAGES):
+            row = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
+            x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
+            if HAS_RES:
+                r_now = row_slice(RES, row, stride_res, cols, M, N, 0.0)
+                x_now = (x_now.to(tl.float32) + r_now.to(tl.float32)).to(in_ty)
+                tl.store(H + row * stride_h + cols, x_now, mask=mask)
+            shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
+                                           SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
+            _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
+                             N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
+        return
     row = group + tl.zeros([], dtype=tl.int64)
     x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
     if HAS_RES:
@@ -323,14 +355,8 @@ def _norm_fwd_split_kernel(
             shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
                                            SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
             x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
-        sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
-        y, mean, rstd = _fwd_split_finish(x_now, shift_now, sums, slot_idx, w, b, mask, N, eps, weight_offset,
-                                          in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-        if STORE_STATS and part == 0:
-            tl.store(RSTD + row, rstd)
-            if not IS_RMS:
-                tl.store(MEAN + row, mean)
+        _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
+                         N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
         if SKEW:
             x_now, x_next, shift_now = x_next, x_far, shift_next
         else:
@@ -508,6 +534,27 @@ def _split_publish(x, dy, row, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, pa
 
 
 @triton.jit
+def _split_write_dx(x, dy, row, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols, mask, M, N,
+                    stride_dh, stride_dx, stride_dres, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
+                    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr):
+    """Collect a row's dot products from its slots and write dx (and dresidual) of its slice."""
+    x_hat, rstd = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
+    wdy = dy.to(tl.float32)
+    if HAS_W:
+        wdy = wdy * w
+    dots = collect(SLOTS + row * PARTS * 2 + idx, slot_mask)
+    dx = wdy - x_hat * (tl.sum(tl.where(idx % 2 == 0, dots, 0.0), axis=0) / N)
+    if not IS_RMS:
+        dx -= tl.sum(tl.where(idx % 2 == 1, dots, 0.0), axis=0) / N
+    dx *= rstd
+    if HAS_DH:
+        dx += tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + row * stride_dres + cols, dx.to(DRES.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_bwd_split_kernel(
     X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, SLOTS,
     M, N,
@@ -515,19 +562,22 @@ def _norm_bwd_split_kernel(
     weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr,
-    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr,
+    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Backward of rows too wide for one program: ``PARTS`` programs share each row, each
     holding a ``BLOCK_N``-column slice of x and dy in registers, so both are read once. Each
     publishes its slice's part of the two row dot products to ``SLOTS [M + groups, PARTS, 2]``
     (int64, zeroed; see ``publish``/``collect``), collects its siblings' parts, sums them and
-    writes dx; the next row's loads are issued before the wait. With ``SKEW`` the exchange runs
-    a row ahead: the iteration that writes row r's dx publishes row r + 1's parts (loaded an
-    iteration earlier) and loads row r + 2, so the parts collected for row r were published an
-    iteration ago and a program seldom waits, at the price of a third row slice in registers.
-    (Rows past the last publish zeros into the spare slots.) A program accumulates dW/dB for
-    its columns over its group's rows and writes one row of ``DW_PART [groups, N]``.
-    Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ...
+    writes dx. A program accumulates dW/dB for its columns over its group's rows and writes one
+    row of ``DW_PART [groups, N]``. Grid: (groups * PARTS,), all resident at once; group g takes
+    rows g, g + groups, ...
+
+    STAGES = 0: the exchange in step with the row, the next row's slice loaded into registers
+    before the wait. STAGES >= 2: the exchange a row ahead (the iteration that loads and
+    publishes row r + 1 collects row r's parts, published an iteration ago, and writes its dx:
+    a program seldom waits), with the loads pipelined by Triton in STAGES stages (rows
+    STAGES - 1 ahead copied into shared memory, no registers held for them). Rows past the last
+    publish zeros into the spare slots.
     """
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
@@ -547,40 +597,27 @@ def _norm_bwd_split_kernel(
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = group + tl.zeros([], dtype=tl.int64)
     x_now, dy_now = _split_load(X, DY, first, stride_x, stride_dy, cols, M, N)
-    if SKEW:
-        x_next, dy_next = _split_load(X, DY, first + step, stride_x, stride_dy, cols, M, N)
+    if STAGES > 0:
         dw_acc, db_acc = _split_publish(x_now, dy_now, first, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
                                         part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
-    for row in range(group, M, step):
-        row64 = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-        if SKEW:  # publish the next row's parts, load the one after
-            x_far, dy_far = _split_load(X, DY, row64 + 2 * step, stride_x, stride_dy, cols, M, N)
-            dw_acc, db_acc = _split_publish(x_next, dy_next, row64 + step, w, dw_acc, db_acc, SLOTS, MEAN, RSTD,
-                                            mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
-        else:  # publish this row's parts, load the next row
-            dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD,
-                                            mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
-            x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
-        x_hat, rstd = _split_x_hat(x_now, row64, MEAN, RSTD, mask, M, IS_RMS)
-        wdy = dy_now.to(tl.float32)
-        if HAS_W:
-            wdy = wdy * w
-        dots = collect(SLOTS + row64 * PARTS * 2 + idx, slot_mask)
-        mean_xw = tl.sum(tl.where(idx % 2 == 0, dots, 0.0), axis=0) / N
-        dx = wdy - x_hat * mean_xw
-        if not IS_RMS:
-            dx -= tl.sum(tl.where(idx % 2 == 1, dots, 0.0), axis=0) / N
-        dx *= rstd
-        if HAS_DH:
-            dx += tl.load(DH + row64 * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + row64 * stride_dres + cols, dx.to(DRES.dtype.element_ty), mask=mask)
-        if SKEW:
-            x_now, dy_now, x_next, dy_next = x_next, dy_next, x_far, dy_far
-        else:
+        for row in tl.range(group + step, M + step, step, num_stages=STAGES):
+            row64 = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
+            x_next, dy_next = _split_load(X, DY, row64, stride_x, stride_dy, cols, M, N)
+            dw_acc, db_acc = _split_publish(x_next, dy_next, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
+                                            part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+            _split_write_dx(x_now, dy_now, row64 - step, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
+                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES)
             x_now, dy_now = x_next, dy_next
-    out = (group + tl.zeros([], dtype=tl.int64)) * N + cols
+    else:
+        for row in range(group, M, step):
+            row64 = row + tl.zeros([], dtype=tl.int64)
+            dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
+                                            part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+            x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
+            _split_write_dx(x_now, dy_now, row64, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
+                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES)
+            x_now, dy_now = x_next, dy_next
+    out = first * N + cols
     if HAS_W:
         tl.store(DW_PART + out, dw_acc.to(DW_PART.dtype.element_ty), mask=mask)
     if HAS_B:
@@ -700,15 +737,15 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
 
 
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
-    """(columns per program, num_warps, skew) of the split forward of rows of ``n`` (wider than
+    """(columns per program, num_warps, skew, stages) of the split forward of rows of ``n`` (wider than
     FWD_ONE_PASS_MAX), or None: the blocked loop."""
     cfg = FWD_SPLIT.get((is_rms, elem_size, has_residual))
-    return cfg[:3] if cfg is not None and n >= cfg[3] else None
+    return cfg[:4] if cfg is not None and n >= cfg[4] else None
 
 
-def _split_config(is_rms: bool, elem_size: int):
-    """(columns per program, num_warps, skew) of the split backward."""
-    return BWD_SPLIT[is_rms, elem_size]
+def _split_config(is_rms: bool, dtype: torch.dtype):
+    """(columns per program, num_warps, stages) of the split backward of ``dtype`` inputs."""
+    return BWD_SPLIT[is_rms, dtype]
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,7 +778,10 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
             IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
             QUANTIZE=quantize, STORE_STATS=store_stats,
             PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cfg[0],
-            SKEW=split_cfg[2] and residual is None, num_warps=split_cfg[1],
+            SKEW=split_cfg[2] and residual is None,
+            STAGES=fit_stages(split_cfg[3], split_cfg[0] * (x.element_size() + (0 if residual is None else
+                                                                                residual.element_size())), dev),
+            num_warps=split_cfg[1],
         )
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
@@ -782,9 +822,11 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm, max_programs, prefetch = _bwd_config(
         n, m, is_rms, persistent_programs(dev, 1) if heads == 1 else 0, xin.element_size())
     rows_per_head = m // heads
+    # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
+    row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
     split = None
     if not one_pass and heads == 1:
-        split_cols, split_warps, skew = _split_config(is_rms, xin.element_size())
+        split_cols, split_warps, split_stages = _split_config(is_rms, xin.dtype)
         split = split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     if split is not None:
@@ -812,7 +854,9 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
                weight_offset,
                IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
                HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-               PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cols, SKEW=skew, num_warps=split_warps)
+               PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cols,
+               STAGES=fit_stages(split_stages, split_cols * row_bytes, dev),
+               num_warps=split_warps)
     elif m > 0:
         dots = None
         if not one_pass:
@@ -833,7 +877,9 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
             weight_offset,
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
             HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch,
+            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+            PREFETCH=fit_stages(prefetch, block_n * (block_m * row_bytes + (0 if weight is None else
+                                                                             weight.element_size())), dev),
             num_warps=num_warps,
         )
     elif dw_part is not None or db_part is not None:

@@ -264,10 +264,11 @@ def _fwd_split_publish(X, RES, row, stride_x, stride_res, x, mask, M, SLOT, in_t
 @triton.jit
 def _fwd_split_write(x, shift, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask, N, stride_y,
                      eps, weight_offset, PARTS: tl.constexpr, in_ty: tl.constexpr, IS_RMS: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+                     PIPELINED: tl.constexpr):
     """Collect a row's sums from its slots and write y of its slice (part 0: and the row's
-    statistics)."""
-    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
+    statistics). PIPELINED: called in a loop that Triton pipelines."""
+    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask, PIPELINED)
     var = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0) / N
     x = x.to(tl.float32)
     if IS_RMS:
@@ -332,7 +333,8 @@ def _norm_fwd_split_kernel(
             shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
                                            SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
             _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
-                             N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
+                             N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS,
+                             True)
         return
     row = group + tl.zeros([], dtype=tl.int64)
     x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
@@ -356,7 +358,8 @@ def _norm_fwd_split_kernel(
                                            SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
             x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
         _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
-                         N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
+                         N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS,
+                         False)
         if SKEW:
             x_now, x_next, shift_now = x_next, x_far, shift_next
         else:
@@ -536,13 +539,14 @@ def _split_publish(x, dy, row, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, pa
 @triton.jit
 def _split_write_dx(x, dy, row, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols, mask, M, N,
                     stride_dh, stride_dx, stride_dres, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
-                    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr):
-    """Collect a row's dot products from its slots and write dx (and dresidual) of its slice."""
+                    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, PIPELINED: tl.constexpr):
+    """Collect a row's dot products from its slots and write dx (and dresidual) of its slice.
+    PIPELINED: called in a loop that Triton pipelines."""
     x_hat, rstd = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
     wdy = dy.to(tl.float32)
     if HAS_W:
         wdy = wdy * w
-    dots = collect(SLOTS + row * PARTS * 2 + idx, slot_mask)
+    dots = collect(SLOTS + row * PARTS * 2 + idx, slot_mask, PIPELINED)
     dx = wdy - x_hat * (tl.sum(tl.where(idx % 2 == 0, dots, 0.0), axis=0) / N)
     if not IS_RMS:
         dx -= tl.sum(tl.where(idx % 2 == 1, dots, 0.0), axis=0) / N
@@ -606,7 +610,7 @@ def _norm_bwd_split_kernel(
             dw_acc, db_acc = _split_publish(x_next, dy_next, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
                                             part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
             _split_write_dx(x_now, dy_now, row64 - step, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
-                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES)
+                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES, True)
             x_now, dy_now = x_next, dy_next
     else:
         for row in range(group, M, step):
@@ -615,7 +619,7 @@ def _norm_bwd_split_kernel(
                                             part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
             x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
             _split_write_dx(x_now, dy_now, row64, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
-                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES)
+                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES, False)
             x_now, dy_now = x_next, dy_next
     out = first * N + cols
     if HAS_W:

@@ -323,8 +323,8 @@ def _norm_fwd_split_kernel(
     else:
         slot_mask = slot_idx < 2 * PARTS
     if STAGES > 0:
-        for row in tl.range(group, M, groups, num_stages=STAGES):
-            row = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
+        for i in tl.range(group, M, groups, num_stages=STAGES):
+            row = i + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
             x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
             if HAS_RES:
                 r_now = row_slice(RES, row, stride_res, cols, M, N, 0.0)

@@ -399,6 +399,13 @@ def test_pipeline_stages_fit_shared_memory(monkeypatch):
     assert _common.fit_stages(4, 10**9, torch.device("cpu")) == 4
 
 
+def test_split_backward_config_for_every_dtype():
+    """The split backward has a launch configuration for every dtype the kernels take."""
+    for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
+        cols, warps, stages = norm_ops._split_config(is_rms, dtype)
+        assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
@@ -416,9 +423,6 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
-    for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
-        cols, warps, stages = norm_ops._split_config(is_rms, dtype)  # every dtype the kernels take
-        assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
     if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward of 2-byte RMSNorm, the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
         assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == narrow

@@ -137,7 +137,7 @@ def main():
         saved = N_._split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             _common.ROW_SPLIT = cfg is not None
-            N_._split_config = (lambda is_rms, dtype, cfg=cfg: cfg) if cfg else saved[0]
+            N_._split_config = (lambda *_, cfg=cfg: cfg) if cfg else saved[0]
             rec = time_case(n, DTYPES[dname], args.op == "rms", False, "bwd", records, ceiling, "split", cfg)
             if rec:
                 print(f"{args.op} bwd {dname} n={n:6d} {str(cfg):22s} {rec['gbps']:5.0f} GB/s ({rec['pct']:.1%})",

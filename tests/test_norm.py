@@ -151,7 +151,7 @@ def test_residual_grads_do_not_alias(device):
 @pytest.mark.parametrize("n", [40001, 70001])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     """Rows wider than the one-pass limits, with and without a residual: forward and backward split
     across programs (on a GPU; the interpreter cannot run programs that wait for each other; the
@@ -401,8 +401,9 @@ def test_pipeline_stages_fit_shared_memory(monkeypatch):
 
 def test_split_backward_config_for_every_dtype():
     """The split backward has a launch configuration for every dtype the kernels take."""
-    for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
-        cols, warps, stages = norm_ops._split_config(is_rms, dtype)
+    for is_rms, dtype, has_dh in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32),
+                                                   (False, True)):
+        cols, warps, stages = norm_ops._split_config(is_rms, dtype, has_dh)
         assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
 
 

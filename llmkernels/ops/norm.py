@@ -60,7 +60,10 @@ BWD_DECODE_PROGRAMS = 64
 # registers, as before: 76 / 73 / 75), bf16 LayerNorm 90.1 / 89.6 / 87.2 / 86.7 at 16384 ...
 # 131072 (81 / 82 / 76 / 75), fp32 LayerNorm 96.0 / 97.4 / 97.3 at 16384 / 32768 / 65536 (94 /
 # 86 / 91); fp32 RMSNorm in step 99.8 / 100.1 (pipelined 98.2-98.4). fp16 RMSNorm (Llama's
-# rounding of x_hat to fp16) needs 16 warps: 94.7 / 93.7 / 82.7 (8 warps as bf16: 75 / 73 / 73).
+# rounding of x_hat to fp16) 93.0 / 91.2 / 88.9 at 32768 / 65536 / 131072 with 32 warps (8 as bf16:
+# 75 / 73 / 73; 16: 83 / 82 / 82 in the same runs, 94.7 / 93.7 / 82.7 on another day), and fp16
+# add + RMSNorm (a dh to add: ``BWD_SPLIT_WITH_DH``) 94.0 / 92.7 / 90.8 with 16 (32: 88 / 87 / 87;
+# 16-split-bwd-fp16*, 20-*).
 # The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``), where
 # measured faster than the blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per
 # program, num_warps, skewed exchange, stages, narrowest row split). H100, 256 MiB, N = 65536 /
@@ -80,12 +83,13 @@ FWD_SPLIT = {
 }
 BWD_SPLIT = {
     (True, torch.bfloat16): (8192, 8, 3),
-    (True, torch.float16): (8192, 16, 4),
+    (True, torch.float16): (8192, 32, 4),
     (True, torch.float32): (8192, 16, 0),
     (False, torch.bfloat16): (8192, 8, 3),
     (False, torch.float16): (8192, 8, 3),
     (False, torch.float32): (8192, 8, 4),
 }
+BWD_SPLIT_WITH_DH = {(True, torch.float16): (8192, 16, 4)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -747,9 +751,10 @@ def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
     return cfg[:4] if cfg is not None and n >= cfg[4] else None
 
 
-def _split_config(is_rms: bool, dtype: torch.dtype):
-    """(columns per program, num_warps, stages) of the split backward of ``dtype`` inputs."""
-    return BWD_SPLIT[is_rms, dtype]
+def _split_config(is_rms: bool, dtype: torch.dtype, has_dh: bool = False):
+    """(columns per program, num_warps, stages) of the split backward of ``dtype`` inputs (with
+    ``has_dh``: a gradient of the residual stream to add, as add + RMSNorm has)."""
+    return (has_dh and BWD_SPLIT_WITH_DH.get((is_rms, dtype))) or BWD_SPLIT[is_rms, dtype]
 
 
 # --------------------------------------------------------------------------------------------
@@ -830,7 +835,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
     split = None
     if not one_pass and heads == 1:
-        split_cols, split_warps, split_stages = _split_config(is_rms, xin.dtype)
+        split_cols, split_warps, split_stages = _split_config(is_rms, xin.dtype, dh is not None)
         split = split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     if split is not None:

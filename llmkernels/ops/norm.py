@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET, as_rows, cdiv, check_tensor, collect, fit_stages, launch, next_pow2,
+from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit_stages, launch, next_pow2,
                       persistent_programs, publish, row_slice, split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
@@ -95,12 +95,6 @@ BWD_SPLIT_WITH_DH = {(True, torch.float16): (8192, 16, 4)}
 # --------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------
-# Triton's interpreter calls a tl.reduce combine function element by element in Python (a
-# 257 x 4096 LayerNorm backward took minutes in CI); there the pair is summed by two tl.sum, which
-# it runs in NumPy.
-PAIR_REDUCE = tl.constexpr(not INTERPRET)
-
-
 @triton.jit
 def _shifted_var(mean_shifted, mean_sq_shifted):
     """A row's variance from the mean and mean square of its elements less a shift (the row's
@@ -486,7 +480,10 @@ def _norm_bwd_kernel(
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
-        elif PAIR_REDUCE and not IS_RMS:  # LayerNorm's two row sums in one reduction
+        elif not IS_RMS and not INTERPRET_CONST:
+            # LayerNorm's two row sums in one reduction. (Triton's interpreter calls a tl.reduce
+            # combine function element by element in Python: a 257 x 4096 LayerNorm backward took
+            # minutes in CI; there the pair is summed by two tl.sum, which it runs in NumPy.)
             sum_xw, sum_w = tl.reduce((x_hat * wdy, wdy), 1, _add_pair)
             mean_xw, mean_w = sum_xw / N, sum_w / N
         else:  # (RMSNorm does not use mean_w)

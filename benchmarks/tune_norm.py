@@ -6,7 +6,7 @@ against the device-to-device copy measured in the same run. Used to choose the t
 
     python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd] [--dtypes bf16,fp32]
     python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide-row backward: row-split configs vs blocked
-    python benchmarks/tune_norm.py split-fwd [--ns 65536,131072]  # wide-row forward: row-split configs vs blocked
+    python benchmarks/tune_norm.py split-fwd [--ns 65536,131072] [--split-widths 8192,16384]  # wide-row forward
     python benchmarks/tune_norm.py defaults [--ns ...] [--which bwd]  # every dtype and op with the defaults
 """
 from __future__ import annotations
@@ -145,10 +145,10 @@ def main():
             torch.cuda.empty_cache()
         N_._split_config, _common.ROW_SPLIT = saved
     elif args.what == "split-fwd":
-        # (columns per program, num_warps, skew, stages); None = the blocked loop
+        # (columns per program, num_warps, programs per SM); None = the blocked loop
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + [(c, nw, skew, stages) for c, nw, (skew, stages) in
-                          itertools.product(widths, [8, 16], [(False, 0), (True, 0), (False, 3), (False, 4)])]
+        cands = [None] + [(c, nw, per_sm) for c, nw, per_sm in itertools.product(widths, [4, 8, 16], [1, 2])
+                          if per_sm * nw <= 16]
         saved = N_._fwd_split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             _common.ROW_SPLIT = cfg is not None

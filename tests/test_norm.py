@@ -182,8 +182,8 @@ def test_layer_norm_offset_rows(dtype, device):
         check_norm(False, x, w, b, torch.randn_like(x), prenorm=True)
 
 
-# (forward skewed?, forward stages, backward stages)
-SPLIT_MODES = {"lockstep": (False, 0, 0), "skewed": (True, 0, 3), "pipelined": (False, 3, 3)}
+# (forward programs per SM, backward stages)
+SPLIT_MODES = {"lockstep": (1, 0), "pipelined": (2, 3)}
 
 
 @pytest.mark.parametrize("mode", SPLIT_MODES)
@@ -193,14 +193,14 @@ SPLIT_MODES = {"lockstep": (False, 0, 0), "skewed": (True, 0, 3), "pipelined": (
 def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
     """The split forward and backward at a small width (limits lowered): one part per row (also
     under the interpreter) or four, the last one partly masked; more rows than groups in flight;
-    the exchange in step with the row or a row ahead, the next row in registers or the loads
-    pipelined by Triton."""
+    the forward one or two programs an SM; the backward's exchange in step with the row or a row
+    ahead with the loads pipelined."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
-    fwd_skew, fwd_stages, bwd_stages = SPLIT_MODES[mode]
+    fwd_per_sm, bwd_stages = SPLIT_MODES[mode]
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_skew, fwd_stages))
+    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages))
     assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
@@ -407,7 +407,8 @@ def test_split_backward_config_for_every_dtype():
         assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 65536, 131072, 262144])
+@pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 40960, 49152, 65536, 131072,
+                               262144])
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
         for sms in (0, 132):
@@ -424,10 +425,13 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
-    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward of 2-byte RMSNorm, the blocked loop's chunk
+    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward (2-byte RMSNorm from 49152), the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
-        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == narrow
-        assert norm_ops._fwd_split_config(True, 4, False, n) is not None
+        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == (n < 49152)
+        for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
+            cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
+            assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2)
+                                   and _common.resident_registers(cfg[1], cfg[2]) >= 128)
         assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
         assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
 

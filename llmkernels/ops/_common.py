@@ -154,28 +154,39 @@ def launch(kernel, grid: tuple, *args, num_warps: int, **constexprs) -> None:
 # ``collect`` spins on volatile loads of the siblings' slots until every tag is set. No counter
 # and no release/acquire fence: a fence would wait for every store the program has in flight
 # (the previous row's output), which measured ~1 us a row on H100. Every program of the grid
-# must be resident at once: a grid of at most one program per multiprocessor guarantees it.
+# must be resident at once: a grid of at most one program per multiprocessor guarantees it, or
+# ``per_sm`` programs each held to ``resident_registers`` (their shared memory is small).
 ROW_SPLIT = os.environ.get("LLMKERNELS_ROW_SPLIT", "1") != "0"
 
 
-def split_grid(n: int, m: int, block_n: int, device: torch.device):
+def split_grid(n: int, m: int, block_n: int, device: torch.device, per_sm: int = 1):
     """``(parts, groups)`` for ``m`` rows of ``n`` split over ``parts`` programs of ``block_n``
-    columns, ``groups`` rows in flight, one program per multiprocessor. None where a split
-    cannot run: LLMKERNELS_ROW_SPLIT=0, more parts than multiprocessors, or several parts under
-    the interpreter (which runs programs one after another: one waiting for a sibling would
-    never return)."""
+    columns, ``groups`` rows in flight, ``per_sm`` programs per multiprocessor (launched with at
+    most ``resident_registers`` registers a thread). None where a split cannot run:
+    LLMKERNELS_ROW_SPLIT=0, more parts than programs, or several parts under the interpreter
+    (which runs programs one after another: one waiting for a sibling would never return)."""
     parts = cdiv(n, block_n)
-    resident = persistent_programs(device, 1)
+    resident = persistent_programs(device, per_sm)
     if not ROW_SPLIT or parts > resident or (INTERPRET and parts > 1):
         return None
     return parts, max(1, min(m, resident // parts))
 
 
+def resident_registers(num_warps: int, per_sm: int) -> int:
+    """Registers a thread at most (Triton's ``maxnreg``) for ``per_sm`` programs of ``num_warps``
+    to be resident on a multiprocessor at once (64K 32-bit registers; 255 at most a thread)."""
+    return min(255, 65536 // (per_sm * num_warps * 32) // 8 * 8)
+
+
 @triton.jit
-def row_slice(X, row, stride_x, cols, M, N, other):
+def row_slice(X, row, stride_x, cols, M, N, other, EVICT_LAST: tl.constexpr = False):
     """Columns ``cols`` of row ``row`` of ``X`` in its dtype, ``other`` past column N; nothing
-    is read for a row past the last (a program prefetching beyond its group's rows)."""
-    return tl.load(X + row * stride_x + cols, mask=cols < tl.where(row < M, N, 0), other=other)
+    is read for a row past the last (a program prefetching beyond its group's rows). EVICT_LAST:
+    kept in L2 ahead of other lines (the slice is read again soon)."""
+    mask = cols < tl.where(row < M, N, 0)
+    if EVICT_LAST:
+        return tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
+    return tl.load(X + row * stride_x + cols, mask=mask, other=other)
 
 
 @triton.jit

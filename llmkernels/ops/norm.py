@@ -8,9 +8,9 @@ Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulat
 Paths by row width:
   - one pass: the whole row (several rows for small N) sits in registers; x is read once.
   - split: rows wider than ``BWD_ONE_PASS_MAX`` (backward) or ``FWD_ONE_PASS_MAX`` (forward,
-    the cases of ``FWD_SPLIT``) are shared by several
-    programs, each holding a slice in registers, that exchange partial row sums through global
-    memory; x (and dy) are still read once.
+    the cases of ``FWD_SPLIT``) are shared by several programs, each holding a slice in
+    registers, that exchange partial row sums through global memory; x (and dy) are read once
+    from memory (the forward reads its slice a second time, from L2).
   - blocked: other forwards of rows wider than ``FWD_ONE_PASS_MAX`` loop over column chunks,
     reading the row a second time right after the first, from L2; a backward that cannot be
     split computes the two row dot products in a first kernel, then dx and dW per chunk.
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import reference
 from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit_stages, launch, next_pow2,
-                      persistent_programs, publish, row_slice, split_grid, use_kernels)
+                      persistent_programs, publish, resident_registers, row_slice, split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -64,22 +64,26 @@ BWD_DECODE_PROGRAMS = 64
 # 75 / 73 / 73; 16: 83 / 82 / 82 in the same runs, 94.7 / 93.7 / 82.7 on another day), and fp16
 # add + RMSNorm (a dh to add: ``BWD_SPLIT_WITH_DH``) 94.0 / 92.7 / 90.8 with 16 (32: 88 / 87 / 87;
 # 16-split-bwd-fp16*, 20-*).
-# The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``), where
-# measured faster than the blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per
-# program, num_warps, skewed exchange, stages, narrowest row split). H100, 256 MiB, N = 65536 /
-# 131072 (49152 too for fp32; benchmarks/results/tune-norm-h100-2026-11-23/): bf16 RMSNorm skewed
-# 93.0 / 92.0% of copy (blocked loop 87.6 / 81.4; in step with the row 84.9 / 82.8; pipelined by
-# Triton 85-88, 16-*); bf16 add + RMSNorm 96.7 / 97.1 (98.8 / 86.4); fp32 RMSNorm 96-97 (71-92);
-# fp32 LayerNorm in step with its loads pipelined in 3 stages 95.3 / 96.3 at 49152 / 65536 (the
-# next row in registers: 86.3 / 91.5; 16-*). bf16 LayerNorm stays blocked (split 81.0 / 77.8 in
-# step, ~50 skewed, vs 82.4 / 77.4; pipelined 66-72); 32768-column slices spill (70-75% and
-# less). 2-byte RMSNorm rows up to 49152 wide are faster in the blocked loop with 8192-element
-# chunks (95.8 / 92.9% at 40960 / 49152; split 86.6 / 92.7; 14-*).
+# The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``: the
+# exchange a row ahead, each slice read again from L2 for y), where measured faster than the
+# blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per program, num_warps,
+# programs per SM, narrowest row split). H100, 256 MiB, % of copy at N = 49152 / 65536 / 131072
+# (benchmarks/results/tune-norm-h100-2026-11-23/21-*): bf16 RMSNorm 95.2 / 95.2 / 94.9 (blocked
+# loop 92.9 / 87.2 / 81.1; the previous split, the whole row in registers and the exchange
+# skewed: 92-93), fp16 95.0-96.3; bf16 LayerNorm 92.0 / 91.9 / 91.2 (blocked 85.3 / 82.4 / 77.5;
+# from 36864: 87.8 vs 84.3), fp16 91.9-93.3; 2-byte add + RMSNorm 96.3-97.8; fp32 RMSNorm
+# 98.3-98.8, LayerNorm 97.1-98.1, add + RMSNorm 96.9-97.5 (at 36864 / 40960 the blocked loop's
+# 99.1 / 97.5 against 95.3 / 95.1). Two-byte rows run two programs an SM: the loads of two slices
+# in flight (one program's 16 KB slice is too little to cover the latency). 2-byte RMSNorm rows up
+# to 40960 are faster in the blocked loop with 8192-element chunks (95.4 / 95.5% at 36864 / 40960
+# against 91.0 / 94.8).
 FWD_SPLIT = {
-    (True, 2, False): (16384, 8, True, 0, 49153),
-    (True, 2, True): (16384, 8, False, 0, 0),
-    (True, 4, False): (16384, 8, False, 0, 0),
-    (False, 4, False): (16384, 8, False, 3, 0),
+    (True, 2, False): (8192, 8, 2, 49152),
+    (True, 2, True): (8192, 4, 2, 0),
+    (True, 4, False): (8192, 8, 1, 0),
+    (True, 4, True): (8192, 8, 1, 49152),
+    (False, 2, False): (8192, 4, 2, 0),
+    (False, 4, False): (8192, 8, 1, 0),
 }
 BWD_SPLIT = {
     (True, torch.bfloat16): (8192, 8, 3),
@@ -241,51 +245,6 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _fwd_split_publish(X, RES, row, stride_x, stride_res, x, mask, M, SLOT, in_ty: tl.constexpr,
-                       IS_RMS: tl.constexpr, HAS_RES: tl.constexpr):
-    """Publish a row slice's sum of squares (LayerNorm: and sum, both shifted by the row's first
-    element, which is returned; 0.0 for RMSNorm). ``x``: the slice (h with a residual)."""
-    x = x.to(tl.float32)
-    if IS_RMS:
-        publish(SLOT, tl.sum(x * x, axis=0))
-        return 0.0
-    shift = tl.load(X + row * stride_x, mask=row < M, other=0.0).to(tl.float32)
-    if HAS_RES:
-        shift = (shift + tl.load(RES + row * stride_res, mask=row < M, other=0.0).to(tl.float32)).to(in_ty)
-        shift = shift.to(tl.float32)
-    xs = tl.where(mask, x - shift, 0.0)
-    publish(SLOT, tl.sum(xs * xs, axis=0))
-    publish(SLOT + 1, tl.sum(xs, axis=0))
-    return shift
-
-
-@triton.jit
-def _fwd_split_write(x, shift, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask, N, stride_y,
-                     eps, weight_offset, PARTS: tl.constexpr, in_ty: tl.constexpr, IS_RMS: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
-                     PIPELINED: tl.constexpr):
-    """Collect a row's sums from its slots and write y of its slice (part 0: and the row's
-    statistics). PIPELINED: called in a loop that Triton pipelines."""
-    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask, PIPELINED)
-    var = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0) / N
-    x = x.to(tl.float32)
-    if IS_RMS:
-        mean = 0.0
-    else:
-        mean_shifted = tl.sum(tl.sum(tl.where(slot_idx % 2 == 1, sums, 0.0), axis=1), axis=0) / N
-        var = _shifted_var(mean_shifted, var)
-        mean = shift + mean_shifted
-        x = tl.where(mask, x - shift, 0.0) - mean_shifted
-    rstd = 1.0 / tl.sqrt(var + eps)
-    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    if STORE_STATS and part == 0:
-        tl.store(RSTD + row, rstd)
-        if not IS_RMS:
-            tl.store(MEAN + row, mean)
-
-
-@triton.jit
 def _norm_fwd_split_kernel(
     X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
     M, N,
@@ -293,21 +252,20 @@ def _norm_fwd_split_kernel(
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
-    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr,
-    STAGES: tl.constexpr,
+    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Forward of rows too wide for one program, reading x once: ``PARTS`` programs share each
-    row, each holding a ``BLOCK_N``-column slice (and its weight and bias) in registers. Each
-    publishes its slice's sum of squares (LayerNorm: sum and sum of squares, shifted by the
-    row's first element as the other paths do) to ``SLOTS [M + groups, PARTS, 2]`` (int64,
-    zeroed; see ``publish``/``collect``), loads its slice of the group's next row, collects the
-    row's sums and writes its slice of y; part 0 writes the row's statistics. With ``SKEW`` (no
-    residual) the exchange runs a row ahead, as in the split backward: the iteration that writes
-    row r's y publishes row r + 1's sums and loads row r + 2 (rows past the last publish into the
-    spare slots). With ``STAGES`` >= 2 (instead of SKEW) the exchange is in step and Triton
-    pipelines the row loop in that many stages, the next rows' slices copied into shared memory
-    (no registers held for them). Grid: (groups * PARTS,), all resident at once; group g takes
-    rows g, g + groups, ..."""
+    """Forward of rows too wide for one program: ``PARTS`` programs share each row, each taking a
+    ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
+    row ahead: the iteration that loads row r + 1's slice publishes row r's sums (RMSNorm: sum of
+    squares; LayerNorm: sum of squares and sum, shifted by the row's first element as the other
+    paths do) to ``SLOTS [M, PARTS, 2]`` (int64, zeroed; see ``publish``/``collect``), then
+    collects row r - 1's sums, which its siblings published an iteration before, and writes its
+    slice of y, reading the slice again (from L2, where the first read left it: ``evict_last``;
+    y streams out with ``evict_first``). With a residual, h = x + residual is written when
+    published and read back for y. Two slices (the one loading, the one published) are all a
+    program holds across iterations, so that two programs fit an SM. Part 0 writes the row's
+    statistics. Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups,
+    ..."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -320,49 +278,88 @@ def _norm_fwd_split_kernel(
         slot_mask = (slot_idx < 2 * PARTS) & (slot_idx % 2 == 0)
     else:
         slot_mask = slot_idx < 2 * PARTS
-    if STAGES > 0:
-        for i in tl.range(group, M, groups, num_stages=STAGES):
-            row = i + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-            x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
-            if HAS_RES:
-                r_now = row_slice(RES, row, stride_res, cols, M, N, 0.0)
-                x_now = (x_now.to(tl.float32) + r_now.to(tl.float32)).to(in_ty)
-                tl.store(H + row * stride_h + cols, x_now, mask=mask)
-            shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
-                                           SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
-            _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
-                             N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS,
-                             True)
-        return
-    row = group + tl.zeros([], dtype=tl.int64)
-    x_now = row_slice(X, row, stride_x, cols, M, N, 0.0)
+    row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
+    # x is read again for y (h, with a residual, is what is read again)
+    x_evict_last: tl.constexpr = not HAS_RES
+    x_next = row_slice(X, row, stride_x, cols, M, N, 0.0, x_evict_last)
     if HAS_RES:
-        r_now = row_slice(RES, row, stride_res, cols, M, N, 0.0)
-    if SKEW:
-        x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
-        shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
-                                       SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
-    for _ in range(group, M, groups):
-        if SKEW:  # publish the next row's sums, load the one after
-            x_far = row_slice(X, row + 2 * groups, stride_x, cols, M, N, 0.0)
-            shift_next = _fwd_split_publish(X, RES, row + groups, stride_x, stride_res, x_next, mask, M,
-                                            SLOTS + ((row + groups) * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
-        else:  # publish this row's sums, load the next row
+        r_next = row_slice(RES, row, stride_res, cols, M, N, 0.0)
+    if not IS_RMS:
+        shift_next = _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty, HAS_RES)
+    shift_now = 0.0
+    shift_prev = 0.0
+    for _ in range(group, M + groups, groups):
+        x_now = x_next
+        x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0, x_evict_last)
+        if HAS_RES:
+            x_now = (x_now.to(tl.float32) + r_next.to(tl.float32)).to(in_ty)
+            r_next = row_slice(RES, row + groups, stride_res, cols, M, N, 0.0)
+        if not IS_RMS:
+            shift_now = shift_next
+            shift_next = _fwd_split_shift(X, RES, row + groups, stride_x, stride_res, M, in_ty, HAS_RES)
+        if row < M:
             if HAS_RES:
-                x_now = (x_now.to(tl.float32) + r_now.to(tl.float32)).to(in_ty)
-                tl.store(H + row * stride_h + cols, x_now, mask=mask)
-                r_now = row_slice(RES, row + groups, stride_res, cols, M, N, 0.0)
-            shift_now = _fwd_split_publish(X, RES, row, stride_x, stride_res, x_now, mask, M,
-                                           SLOTS + (row * PARTS + part) * 2, in_ty, IS_RMS, HAS_RES)
-            x_next = row_slice(X, row + groups, stride_x, cols, M, N, 0.0)
-        _fwd_split_write(x_now, shift_now, row, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask,
-                         N, stride_y, eps, weight_offset, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, STORE_STATS,
-                         False)
-        if SKEW:
-            x_now, x_next, shift_now = x_next, x_far, shift_next
-        else:
-            x_now = x_next
+                tl.store(H + row * stride_h + cols, x_now, mask=mask, eviction_policy="evict_last")
+            _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + (row * PARTS + part) * 2, IS_RMS)
+        if row >= groups:
+            _fwd_split_write(row - groups, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD,
+                             cols, mask, N, stride_x, stride_h, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS,
+                             HAS_RES, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
+        shift_prev = shift_now
         row += groups
+
+
+@triton.jit
+def _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty: tl.constexpr, HAS_RES: tl.constexpr):
+    """The row's first element (of h with a residual), by which LayerNorm's sums are shifted so
+    that its variance does not cancel when |mean| >> std; 0 past the last row."""
+    shift = tl.load(X + row * stride_x, mask=row < M, other=0.0).to(tl.float32)
+    if HAS_RES:
+        shift = (shift + tl.load(RES + row * stride_res, mask=row < M, other=0.0).to(tl.float32)).to(in_ty)
+    return shift.to(tl.float32)
+
+
+@triton.jit
+def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr):
+    """Publish a row slice's sums (fp32 ``x``): RMSNorm its sum of squares; LayerNorm its sum of
+    squares and sum, shifted by ``shift``."""
+    if IS_RMS:
+        publish(SLOT, tl.sum(x * x, axis=0))
+    else:
+        xs = tl.where(mask, x - shift, 0.0)
+        publish(SLOT, tl.sum(xs * xs, axis=0))
+        publish(SLOT + 1, tl.sum(xs, axis=0))
+
+
+@triton.jit
+def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD, cols, mask, N,
+                     stride_x, stride_h, stride_y, eps, weight_offset, in_ty: tl.constexpr, PARTS: tl.constexpr,
+                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
+    """Collect row ``row``'s sums from its slots, read its slice again (x, or h with a residual)
+    and write y of the slice (part 0: and the row's statistics)."""
+    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
+    if HAS_RES:
+        x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    x = x.to(tl.float32)
+    sum_sq = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0)
+    if IS_RMS:
+        mean = 0.0
+        var = sum_sq / N
+    else:
+        mean_shifted = tl.sum(tl.sum(tl.where(slot_idx % 2 == 1, sums, 0.0), axis=1), axis=0) / N
+        var = _shifted_var(mean_shifted, sum_sq / N)
+        mean = shift + mean_shifted
+        x = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    if STORE_STATS and part == 0:
+        tl.store(RSTD + row, rstd)
+        if not IS_RMS:
+            tl.store(MEAN + row, mean)
 
 
 @triton.jit
@@ -742,10 +739,10 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
 
 
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
-    """(columns per program, num_warps, skew, stages) of the split forward of rows of ``n`` (wider than
-    FWD_ONE_PASS_MAX), or None: the blocked loop."""
+    """(columns per program, num_warps, programs per SM) of the split forward of rows of ``n``
+    (wider than FWD_ONE_PASS_MAX), or None: the blocked loop."""
     cfg = FWD_SPLIT.get((is_rms, elem_size, has_residual))
-    return cfg[:4] if cfg is not None and n >= cfg[4] else None
+    return cfg[:3] if cfg is not None and n >= cfg[3] else None
 
 
 def _split_config(is_rms: bool, dtype: torch.dtype, has_dh: bool = False):
@@ -771,23 +768,21 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
         return y, h, mean, rstd
     split_cfg = (_fwd_split_config(is_rms, x.element_size(), residual is not None, n)
                  if n > FWD_ONE_PASS_MAX and heads == 1 else None)
-    split = split_grid(n, m, split_cfg[0], dev) if split_cfg is not None else None
+    split = split_grid(n, m, split_cfg[0], dev, split_cfg[2]) if split_cfg is not None else None
     if split is not None:
         parts, groups = split
+        block_n, num_warps, per_sm = split_cfg
         launch(_norm_fwd_split_kernel, (groups * parts,),
             x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
             y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
-            torch.zeros((m + groups, parts, 2), dtype=torch.int64, device=dev),
+            torch.zeros((m, parts, 2), dtype=torch.int64, device=dev),
             m, n,
             x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
             eps, weight_offset,
             IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
             QUANTIZE=quantize, STORE_STATS=store_stats,
-            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cfg[0],
-            SKEW=split_cfg[2] and residual is None,
-            STAGES=fit_stages(split_cfg[3], split_cfg[0] * (x.element_size() + (0 if residual is None else
-                                                                                residual.element_size())), dev),
-            num_warps=split_cfg[1],
+            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=block_n,
+            num_warps=num_warps, maxnreg=resident_registers(num_warps, per_sm),
         )
         return y, h, mean, rstd
     block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),

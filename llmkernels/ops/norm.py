@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit_stages, launch, next_pow2,
-                      persistent_programs, publish, resident_registers, row_slice, split_grid, use_kernels)
+from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit_stages, keep_packed, launch,
+                      next_pow2, persistent_programs, publish, resident_registers, row_slice, split_grid,
+                      use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -70,8 +71,10 @@ BWD_DECODE_PROGRAMS = 64
 # programs per SM, narrowest row split). H100, 256 MiB, % of copy at N = 49152 / 65536 / 131072
 # (benchmarks/results/tune-norm-h100-2026-11-23/21-*): bf16 RMSNorm 95.2 / 95.2 / 94.9 (blocked
 # loop 92.9 / 87.2 / 81.1; the previous split, the whole row in registers and the exchange
-# skewed: 92-93), fp16 95.0-96.3; bf16 LayerNorm 92.0 / 91.9 / 91.2 (blocked 85.3 / 82.4 / 77.5;
-# from 36864: 87.8 vs 84.3), fp16 91.9-93.3; 2-byte add + RMSNorm 96.3-97.8; fp32 RMSNorm
+# skewed: 92-93), fp16 95.0-96.3; bf16 LayerNorm 93.7 / 93.4 / 92.7 at 8 warps, its two sums in
+# one reduction and its weight and bias kept packed (``keep_packed``; 4 warps: 92.0 / 91.9 / 91.2;
+# blocked 85.3 / 82.4 / 77.5; from 36864: 88.9 vs 84.6), fp16 94.5 / 94.5 / 93.9 (from
+# benchmarks/results/tune-norm-h100-2026-11-24/); 2-byte add + RMSNorm 96.3-97.8; fp32 RMSNorm
 # 98.3-98.8, LayerNorm 97.1-98.1, add + RMSNorm 96.9-97.5 (at 36864 / 40960 the blocked loop's
 # 99.1 / 97.5 against 95.3 / 95.1). Two-byte rows run two programs an SM: the loads of two slices
 # in flight (one program's 16 KB slice is too little to cover the latency). 2-byte RMSNorm rows up
@@ -82,7 +85,7 @@ FWD_SPLIT = {
     (True, 2, True): (8192, 4, 2, 0),
     (True, 4, False): (8192, 8, 1, 0),
     (True, 4, True): (8192, 8, 1, 49152),
-    (False, 2, False): (8192, 4, 2, 0),
+    (False, 2, False): (8192, 8, 2, 0),
     (False, 4, False): (8192, 8, 1, 0),
 }
 BWD_SPLIT = {
@@ -327,8 +330,9 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr):
         publish(SLOT, tl.sum(x * x, axis=0))
     else:
         xs = tl.where(mask, x - shift, 0.0)
-        publish(SLOT, tl.sum(xs * xs, axis=0))
-        publish(SLOT + 1, tl.sum(xs, axis=0))
+        sum_sq, total = tl.reduce((xs * xs, xs), 0, _add_pair)
+        publish(SLOT, sum_sq)
+        publish(SLOT + 1, total)
 
 
 @triton.jit
@@ -344,6 +348,10 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
     else:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     x = x.to(tl.float32)
+    if HAS_W:
+        w = keep_packed(w)
+    if HAS_B:
+        b = keep_packed(b)
     sum_sq = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0)
     if IS_RMS:
         mean = 0.0

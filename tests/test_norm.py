@@ -238,6 +238,33 @@ def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monk
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_backward_decode_writes_dw_by_columns(is_rms, device, monkeypatch):
+    """Decode sizes: each backward program also writes dW / dB of its share of the columns over
+    every row (DW_COLS), no partials. On a GPU as the decode rule launches it (rows of 4096 and
+    3000 columns, 1 ... 256 rows; a residual too); under the interpreter three programs of three
+    rows, 128 columns each of a 300-column row (the last share partly masked)."""
+    dw_cols = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        dw_cols.append(kwargs.get("DW_COLS", 0))
+        return _common.launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "launch", recording_launch)
+    if INTERPRETED:
+        monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0))
+        shapes = [(9, 300)]
+    else:
+        shapes = [(m, n) for n in (4096, 3000) for m in (1, 8, 37, 256)]
+    for m, n in shapes:
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16),
+                   None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16))
+        check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16), None, torch.randn_like(x),
+                   prenorm=True)
+    assert max(dw_cols) > 0
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_per_head_weight(is_rms, device):
     """QK norm: weight [H, D] over x [..., H, D], each head its own scale."""
     x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
@@ -437,17 +464,20 @@ def test_heuristics_cover_every_width(n):
 
 
 def test_decode_rules_are_the_measured_configs():
-    """Decode sizes on 132 SMs (N = 4096, benchmarks/results/decode-h100-2026-11-23/): the forward
-    takes a row a program at 8 warps with the weight loaded early; the backward at most 64
-    programs of one tile each (LayerNorm: two tiles of 2 rows at M = 256); training sizes and an
-    unknown SM count keep the bandwidth tables."""
+    """Decode sizes on 132 SMs (N = 4096, benchmarks/results/decode-h100-2026-11-23/ and -24/):
+    the forward takes a row a program at 8 warps with the weight loaded early; the backward a
+    row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
+    M = 256), 4 warps (8 for 4 rows); training sizes and an unknown SM count keep the bandwidth
+    tables."""
     assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 0, True)
     assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
     assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
     assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured
-    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 16, True, 2, 64, 0)
-    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 16, True, 1, 64, 0)
-    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 2, 64, 0)
+    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0)
+    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0)
+    assert norm_ops._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0)
+    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0)
+    assert norm_ops._bwd_config(4096, 8, False, 132) == (1, 4096, 4, True, 1, 64, 0)
     assert norm_ops._bwd_config(4096, 2**15, True, 132)[-2] == 0
 
 

@@ -43,12 +43,11 @@ FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one
 # 49152 against 95.6 / 92.1).
 FWD_BLOCKED_HALF_CHUNK_MAX = 49152
 BWD_BLOCKED = (4, 1024, 4, False, 4)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
-# Backward programs at most when the rows are few (decode sizes, M <= 256): each program takes
-# its rows in as few tiles as fit and writes a dW/dB partial that a second kernel sums, so the
-# latency is about one tile plus a sum over at most this many partials. H100 sweep (N = 4096,
-# CUDA graphs, benchmarks/results/decode-h100-2026-11-23/decode_sweep.json): M = 128 and 256
-# best with ~64 programs of 2 and 4 rows (RMSNorm 6.5 / 7.5 us, LayerNorm 8.0 / 9.2; one
-# program a row gave 7.7 / 11.8 and 13.6 / 22.8).
+# Backward programs at most when the rows are few (decode sizes, M <= 256): a program a row up
+# to this many, then 2 or 4 rows a program; each also writes dW/dB of its share of the columns
+# (no partials, no second launch). H100 sweep (N = 4096, 4 warps for 1-2 rows a program, CUDA
+# graphs, benchmarks/results/decode-h100-2026-11-24/): RMSNorm 3.3 / 3.5 / 4.4 / 6.2 us at
+# M = 8 / 32 / 128 / 256 (partials summed by a second launch: 4.2 / 4.6 / 5.7 / 6.8).
 BWD_DECODE_PROGRAMS = 64
 # Backward rows too wide for the one-pass kernel are split across programs that exchange their
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
@@ -436,8 +435,13 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    DW_COLS: tl.constexpr, DW_ROWS: tl.constexpr,
 ):
-    """dx (and dresidual), and this program's partial dW/dB over the rows it owns.
+    """dx (and dresidual), and this program's partial dW/dB over the rows it owns; with DW_COLS
+    (one head and column chunk: decode sizes), instead of partials, dW/dB themselves (DW_PART /
+    DB_PART, their dtypes) for columns [p * DW_COLS, (p + 1) * DW_COLS) over every row: those
+    need x and dy but not dx, so no program waits for another and no second launch sums
+    partials (``_sum_partials_kernel``, 2 us more inside a CUDA graph on H100).
 
     Grid: (programs, heads, column chunks). Program p of head h owns rows
     ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row
@@ -503,11 +507,41 @@ def _norm_bwd_kernel(
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
             tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
-    part = prog.to(tl.int64) * HEADS * N + head * N + cols
+    if DW_COLS:
+        _dw_db_cols(X, DY, MEAN, RSTD, DW_PART, DB_PART, rows_per_head, N, stride_x, stride_dy,
+                    prog * DW_COLS + tl.arange(0, DW_COLS), in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, DW_ROWS)
+    else:
+        part = prog.to(tl.int64) * HEADS * N + head * N + cols
+        if HAS_W:
+            tl.store(DW_PART + part, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
+        if HAS_B:
+            tl.store(DB_PART + part, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_ty: tl.constexpr,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """dW = sum over the M rows of dy * q(x_hat), dB = sum of dy, at columns ``cols`` (one head),
+    BLOCK_M rows a step, stored in DW's / DB's dtypes."""
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
+    for tile in range(0, tl.cdiv(M, BLOCK_M)):
+        x, dy = _tile_load(X, DY, tile, M, 1, 0, cols, col_mask, stride_x, stride_dy, BLOCK_M)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            x_hat = x * rstd[:, None]
+        else:
+            x_hat = (x - tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]) * rstd[:, None]
+        _, dw_acc, db_acc = _dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     if HAS_W:
-        tl.store(DW_PART + part, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
+        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_B:
-        tl.store(DB_PART + part, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -730,7 +764,8 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
 
     Few rows (decode sizes: M <= 4 * BWD_DECODE_PROGRAMS, no more tiles than persistent
     programs): at most BWD_DECODE_PROGRAMS programs, each taking its rows as one tile (two for
-    LayerNorm at M = 256: 8192-element tiles at most, for the same spills).
+    LayerNorm at M = 256: 8192-element tiles at most, for the same spills), 4 warps up to 2 rows
+    of 4096 (8 for 4: 0.3-0.5 us faster than 8 and 16 at M = 8-128 on H100).
     """
     if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
         return BWD_BLOCKED + (0, 0)
@@ -741,8 +776,8 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     block_m = min(max(1, tile // block_n), next_pow2(m))
     if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
         max_tile = 16384 if is_rms else 8192
-        block_m = min(max(1, max_tile // block_n), max(block_m, next_pow2(cdiv(m, BWD_DECODE_PROGRAMS))))
-        return block_m, block_n, max(4, min(16, block_m * block_n // 512)), True, per_sm, BWD_DECODE_PROGRAMS, 0
+        block_m = min(max(1, max_tile // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
+        return block_m, block_n, max(4, min(8, block_m * block_n // 2048)), True, per_sm, BWD_DECODE_PROGRAMS, 0
     return block_m, block_n, num_warps, True, per_sm, 0, prefetch
 
 
@@ -844,12 +879,15 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
         if max_programs:
             n_progs = min(n_progs, max_programs)
-    # One program (decode sizes) writes dW/dB directly in their dtypes: no partial to reduce.
-    one = n_progs == 1
-    dw_part = (torch.empty((n_progs, heads * n), dtype=weight.dtype if one else torch.float32, device=dev)
-               if weight is not None else None)
-    db_part = torch.empty((n_progs, heads * n), dtype=bias_dtype if one else torch.float32,
-                          device=dev) if has_bias else None
+    # Decode sizes (a program cap), one head and column chunk: each program of several also
+    # computes dW/dB of its share of the columns over all rows; one program sums its rows'.
+    # Either way the kernel writes dW/dB in their dtypes, no partials to sum in a second launch.
+    dw_cols = next_pow2(cdiv(n, n_progs)) if max_programs and n_progs > 1 and heads == 1 and one_pass else 0
+    direct = n_progs == 1 or dw_cols > 0
+    dw_part = (torch.empty((1 if direct else n_progs, heads * n), dtype=weight.dtype if direct else torch.float32,
+                           device=dev) if weight is not None else None)
+    db_part = (torch.empty((1 if direct else n_progs, heads * n), dtype=bias_dtype if direct else torch.float32,
+                           device=dev) if has_bias else None)
     if m > 0 and split is not None:
         launch(_norm_bwd_split_kernel, (n_progs * parts,),
                xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
@@ -889,12 +927,13 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
             PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n,
             PREFETCH=fit_stages(prefetch, block_n * (block_m * row_bytes + (0 if weight is None else
                                                                              weight.element_size())), dev),
+            DW_COLS=dw_cols, DW_ROWS=min(next_pow2(m), max(1, 4096 // dw_cols)) if dw_cols else 1,
             num_warps=num_warps,
         )
     elif dw_part is not None or db_part is not None:
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()
-    if one:
+    if direct:
         dw, db = (None if dw_part is None else dw_part[0]), (None if db_part is None else db_part[0])
     else:
         dw = None if weight is None else torch.empty(heads * n, dtype=weight.dtype, device=dev)

@@ -15,7 +15,9 @@ Paths by row width:
     reading the row a second time right after the first, from L2; a backward that cannot be
     split computes the two row dot products in a first kernel, then dx and dW per chunk.
 The backward uses a persistent grid: each program loops over its rows, accumulating dW/dB in
-fp32 registers, and writes one ``[programs, N]`` partial that a small sum reduces.
+fp32 registers, and writes one ``[programs, N]`` partial that a small sum reduces. At decode
+sizes (few rows) each program instead also sums dW/dB over every row for its share of the
+columns: one launch, no partials.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                      stride_dh="i32", stride_dx="i32", stride_dres="i32", weight_offset="fp32")
         constexprs = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_DH=False, HAS_DRES=False,
                           QUANTIZE=is_rms, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
-                          STAGES=stages)
+                          STAGES=stages, W_PACKED=False)
     names = kernel.arg_names
     src = ASTSource(fn=kernel, signature={n: types.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in constexprs.items()},

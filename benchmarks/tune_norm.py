@@ -131,9 +131,10 @@ def main():
                 N_._fwd_config, N_._bwd_config = orig_fwd, orig_bwd
                 print(f"{mode} {dname} n={n:6d} best {best['cfg']} {best['gbps']:.0f} GB/s ({best['pct']:.1%})", flush=True)
     elif args.what == "split":
-        # (columns per program, num_warps, stages: 0 in step, >= 2 a row ahead, pipelined); None = blocked
+        # (columns per program, num_warps, stages: 0 in step, >= 2 a row ahead, pipelined, weight kept
+        # packed); None = blocked
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + list(itertools.product(widths, [8, 16], [0, 3, 4]))
+        cands = [None] + list(itertools.product(widths, [8, 16], [0, 3, 4], [False, True]))
         saved = N_._split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             _common.ROW_SPLIT = cfg is not None

@@ -182,8 +182,8 @@ def test_layer_norm_offset_rows(dtype, device):
         check_norm(False, x, w, b, torch.randn_like(x), prenorm=True)
 
 
-# (forward programs per SM, backward stages)
-SPLIT_MODES = {"lockstep": (1, 0), "pipelined": (2, 3)}
+# (forward programs per SM, backward stages, backward weight kept packed)
+SPLIT_MODES = {"lockstep": (1, 0, False), "pipelined": (2, 3, True)}
 
 
 @pytest.mark.parametrize("mode", SPLIT_MODES)
@@ -198,11 +198,11 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
-    fwd_per_sm, bwd_stages = SPLIT_MODES[mode]
+    fwd_per_sm, bwd_stages, bwd_w_packed = SPLIT_MODES[mode]
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages))
+    monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages, bwd_w_packed))
     assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
@@ -428,10 +428,10 @@ def test_pipeline_stages_fit_shared_memory(monkeypatch):
 
 def test_split_backward_config_for_every_dtype():
     """The split backward has a launch configuration for every dtype the kernels take."""
-    for is_rms, dtype, has_dh in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32),
-                                                   (False, True)):
-        cols, warps, stages = norm_ops._split_config(is_rms, dtype, has_dh)
+    for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
+        cols, warps, stages, w_packed = norm_ops._split_config(is_rms, dtype)
         assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
+        assert w_packed in (False, True)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 40960, 49152, 65536, 131072,

@@ -55,17 +55,21 @@ BWD_DECODE_PROGRAMS = 64
 # partial row dot products (``_norm_bwd_split_kernel``), one program per SM so that every
 # program of the grid is resident at once, which the exchange needs:
 # (RMSNorm?, dtype) -> (columns per program, num_warps, stages: 0 the exchange in step, >= 2 a
-# row ahead with the loads pipelined by Triton). LLMKERNELS_ROW_SPLIT=0 turns the split off
+# row ahead with the loads pipelined by Triton, weight slice kept packed: converted to fp32 where
+# used, not held so). LLMKERNELS_ROW_SPLIT=0 turns the split off
 # (``_common.split_grid``; the blocked loops then take every wide row).
 # H100, 256 MiB (benchmarks/results/tune-norm-h100-2026-11-23/16-*): bf16 RMSNorm 94.5 / 92.8 /
 # 92.3% of copy at 32768 / 65536 / 131072 (the exchange a row ahead with the next row in
 # registers, as before: 76 / 73 / 75), bf16 LayerNorm 90.1 / 89.6 / 87.2 / 86.7 at 16384 ...
 # 131072 (81 / 82 / 76 / 75), fp32 LayerNorm 96.0 / 97.4 / 97.3 at 16384 / 32768 / 65536 (94 /
-# 86 / 91); fp32 RMSNorm in step 99.8 / 100.1 (pipelined 98.2-98.4). fp16 RMSNorm (Llama's
-# rounding of x_hat to fp16) 93.0 / 91.2 / 88.9 at 32768 / 65536 / 131072 with 32 warps (8 as bf16:
-# 75 / 73 / 73; 16: 83 / 82 / 82 in the same runs, 94.7 / 93.7 / 82.7 on another day), and fp16
-# add + RMSNorm (a dh to add: ``BWD_SPLIT_WITH_DH``) 94.0 / 92.7 / 90.8 with 16 (32: 88 / 87 / 87;
-# 16-split-bwd-fp16*, 20-*).
+# 86 / 91); fp32 RMSNorm 97.7 / 98.1 at 32768 / 65536 pipelined at 8 warps (in step 100.0 / 99.6;
+# the in-step 16-warp entry shipped before read 86 / 86), fp32 add + RMSNorm 101.8 / 101.7 (in
+# step 97.2 / 99.6; tune-norm-h100-2026-11-24/7-*). fp16 RMSNorm (Llama's
+# rounding of x_hat to fp16) with its weight kept packed (``keep_packed``: 248 registers, no
+# spill at 8 warps; held as fp32 it spilled 56 B), 93.6 / 92.2 / 92.3 at 32768 / 65536 / 131072
+# (held: 75 / 74 / 71 at 8 warps, 93 / 91 / 88 at 32), fp16 add + RMSNorm 98.6 / 98.0 / 98.1
+# (held: 94 / 92 / 91 at 16 warps; tune-norm-h100-2026-11-24/6-*). Kept packed, bf16 RMSNorm
+# measured the same and bf16 LayerNorm 66-67 against 87-90: not there.
 # The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``: the
 # exchange a row ahead, each slice read again from L2 for y), where measured faster than the
 # blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per program, num_warps,
@@ -90,14 +94,13 @@ FWD_SPLIT = {
     (False, 4, False): (8192, 8, 1, 0),
 }
 BWD_SPLIT = {
-    (True, torch.bfloat16): (8192, 8, 3),
-    (True, torch.float16): (8192, 32, 4),
-    (True, torch.float32): (8192, 16, 0),
-    (False, torch.bfloat16): (8192, 8, 3),
-    (False, torch.float16): (8192, 8, 3),
-    (False, torch.float32): (8192, 8, 4),
+    (True, torch.bfloat16): (8192, 8, 3, False),
+    (True, torch.float16): (8192, 8, 4, True),
+    (True, torch.float32): (8192, 8, 3, False),
+    (False, torch.bfloat16): (8192, 8, 3, False),
+    (False, torch.float16): (8192, 8, 3, False),
+    (False, torch.float32): (8192, 8, 4, False),
 }
-BWD_SPLIT_WITH_DH = {(True, torch.float16): (8192, 16, 4)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -565,11 +568,22 @@ def _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _split_publish(x, dy, row, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, part, PARTS: tl.constexpr,
-                   in_ty: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   QUANTIZE: tl.constexpr):
+def _split_weight(w, weight_offset, HAS_W: tl.constexpr, W_PACKED: tl.constexpr):
+    """The split backward's weight slice as used, fp32 with the offset: ``w`` as held (already so,
+    or, W_PACKED, in its dtype and converted here, inside the row loop)."""
+    if W_PACKED:  # (nested: Triton 3.6 takes `a and b` of constexprs for a runtime test here)
+        if HAS_W:
+            w = keep_packed(w).to(tl.float32) + weight_offset
+    return w
+
+
+@triton.jit
+def _split_publish(x, dy, row, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, part,
+                   PARTS: tl.constexpr, in_ty: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, W_PACKED: tl.constexpr):
     """Publish a row slice's parts of the row dot products; returns the dW/dB accumulators."""
     x_hat, _ = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
+    w = _split_weight(w, weight_offset, HAS_W, W_PACKED)
     wdy, dw_acc, db_acc = _dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     slot = SLOTS + (row * PARTS + part) * 2
     publish(slot, tl.sum(x_hat * wdy, axis=0))
@@ -579,15 +593,16 @@ def _split_publish(x, dy, row, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, pa
 
 
 @triton.jit
-def _split_write_dx(x, dy, row, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols, mask, M, N,
-                    stride_dh, stride_dx, stride_dres, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
-                    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, PIPELINED: tl.constexpr):
+def _split_write_dx(x, dy, row, w, weight_offset, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols, mask, M,
+                    N, stride_dh, stride_dx, stride_dres, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
+                    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, PIPELINED: tl.constexpr,
+                    W_PACKED: tl.constexpr):
     """Collect a row's dot products from its slots and write dx (and dresidual) of its slice.
     PIPELINED: called in a loop that Triton pipelines."""
     x_hat, rstd = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
     wdy = dy.to(tl.float32)
     if HAS_W:
-        wdy = wdy * w
+        wdy = wdy * _split_weight(w, weight_offset, HAS_W, W_PACKED)
     dots = collect(SLOTS + row * PARTS * 2 + idx, slot_mask, PIPELINED)
     dx = wdy - x_hat * (tl.sum(tl.where(idx % 2 == 0, dots, 0.0), axis=0) / N)
     if not IS_RMS:
@@ -609,6 +624,7 @@ def _norm_bwd_split_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    W_PACKED: tl.constexpr,
 ):
     """Backward of rows too wide for one program: ``PARTS`` programs share each row, each
     holding a ``BLOCK_N``-column slice of x and dy in registers, so both are read once. Each
@@ -623,7 +639,8 @@ def _norm_bwd_split_kernel(
     publishes row r + 1 collects row r's parts, published an iteration ago, and writes its dx:
     a program seldom waits), with the loads pipelined by Triton in STAGES stages (rows
     STAGES - 1 ahead copied into shared memory, no registers held for them). Rows past the last
-    publish zeros into the spare slots.
+    publish zeros into the spare slots. W_PACKED: the weight slice is held in its dtype and
+    converted where used (``_split_weight``), not held in fp32.
     """
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
@@ -638,30 +655,36 @@ def _norm_bwd_split_kernel(
         slot_mask = idx < 2 * PARTS
     w = 0.0  # unused without a weight
     if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        if not W_PACKED:
+            w = w.to(tl.float32) + weight_offset
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = group + tl.zeros([], dtype=tl.int64)
     x_now, dy_now = _split_load(X, DY, first, stride_x, stride_dy, cols, M, N)
     if STAGES > 0:
-        dw_acc, db_acc = _split_publish(x_now, dy_now, first, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
-                                        part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+        dw_acc, db_acc = _split_publish(x_now, dy_now, first, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN, RSTD,
+                                        mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, W_PACKED)
         for row in tl.range(group + step, M + step, step, num_stages=STAGES):
             row64 = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
             x_next, dy_next = _split_load(X, DY, row64, stride_x, stride_dy, cols, M, N)
-            dw_acc, db_acc = _split_publish(x_next, dy_next, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
-                                            part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
-            _split_write_dx(x_now, dy_now, row64 - step, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
-                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES, True)
+            dw_acc, db_acc = _split_publish(x_next, dy_next, row64, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN,
+                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE,
+                                            W_PACKED)
+            _split_write_dx(x_now, dy_now, row64 - step, w, weight_offset, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX,
+                            DRES, cols, mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH,
+                            HAS_DRES, True, W_PACKED)
             x_now, dy_now = x_next, dy_next
     else:
         for row in range(group, M, step):
             row64 = row + tl.zeros([], dtype=tl.int64)
-            dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M,
-                                            part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+            dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN,
+                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE,
+                                            W_PACKED)
             x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
-            _split_write_dx(x_now, dy_now, row64, w, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES, cols,
-                            mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH, HAS_DRES, False)
+            _split_write_dx(x_now, dy_now, row64, w, weight_offset, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES,
+                            cols, mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH,
+                            HAS_DRES, False, W_PACKED)
             x_now, dy_now = x_next, dy_next
     out = first * N + cols
     if HAS_W:
@@ -790,10 +813,10 @@ def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
     return cfg[:3] if cfg is not None and n >= cfg[3] else None
 
 
-def _split_config(is_rms: bool, dtype: torch.dtype, has_dh: bool = False):
-    """(columns per program, num_warps, stages) of the split backward of ``dtype`` inputs (with
-    ``has_dh``: a gradient of the residual stream to add, as add + RMSNorm has)."""
-    return (has_dh and BWD_SPLIT_WITH_DH.get((is_rms, dtype))) or BWD_SPLIT[is_rms, dtype]
+def _split_config(is_rms: bool, dtype: torch.dtype):
+    """(columns per program, num_warps, stages, weight kept packed) of the split backward of
+    ``dtype`` inputs."""
+    return BWD_SPLIT[is_rms, dtype]
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,7 +895,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
     row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
     split = None
     if not one_pass and heads == 1:
-        split_cols, split_warps, split_stages = _split_config(is_rms, xin.dtype, dh is not None)
+        split_cols, split_warps, split_stages, split_w_packed = _split_config(is_rms, xin.dtype)
         split = split_grid(n, m, split_cols, dev)
     n_chunks = 1 if one_pass else cdiv(n, block_n)
     if split is not None:
@@ -904,7 +927,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
                IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
                HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
                PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cols,
-               STAGES=fit_stages(split_stages, split_cols * row_bytes, dev),
+               STAGES=fit_stages(split_stages, split_cols * row_bytes, dev), W_PACKED=split_w_packed,
                num_warps=split_warps)
     elif m > 0:
         dots = None

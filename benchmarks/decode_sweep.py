@@ -1,7 +1,7 @@
 """Launch configurations of the norm kernels at decode sizes (M = 1..256 rows, N = 4096, bf16),
 timed as calls replayed from a CUDA graph (the GPU time alone; ``llmkernels.bench``'s
 ``decode_graph`` timing). Forward with the statistics stored (as in training), backward with
-the dW/dB partials summed. Used to choose the small-M rules of ``_fwd_config`` and
+every gradient (dW/dB as the launcher writes them). Used to choose the small-M rules of ``_fwd_config`` and
 ``_bwd_config`` in ``llmkernels/ops/norm.py`` (each sweep replaces them with a fixed configuration).
 
     python benchmarks/decode_sweep.py [--which fwd,bwd] [--ms 1,8,32]   # writes $OUT/decode_sweep.json (or ./)

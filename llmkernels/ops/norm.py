@@ -422,6 +422,19 @@ def _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.const
 
 
 @triton.jit
+def _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS: tl.constexpr):
+    """x_hat of a tile of rows (fp32 ``x`` [BLOCK_M, BLOCK_N], 0 outside ``mask``) and the rows'
+    rstd [BLOCK_M], from the forward's statistics."""
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        x_hat = x * rstd[:, None]
+    else:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return x_hat, rstd
+
+
+@triton.jit
 def _tile_load(X, DY, tile, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy, BLOCK_M: tl.constexpr):
     """x and dy of a tile of rows, in the input dtype (nothing read past the last row)."""
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -484,12 +497,7 @@ def _norm_bwd_kernel(
         row_mask = i < rows_per_head
         rows = i.to(tl.int64) * HEADS + head
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            x_hat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        x_hat, rstd = _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
         wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
@@ -537,11 +545,7 @@ def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_t
         x, dy = x.to(tl.float32), dy.to(tl.float32)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            x_hat = x * rstd[:, None]
-        else:
-            x_hat = (x - tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]) * rstd[:, None]
+        x_hat, _ = _tile_x_hat(x, rows, row_mask, row_mask[:, None] & col_mask[None, :], MEAN, RSTD, IS_RMS)
         _, dw_acc, db_acc = _dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     if HAS_W:
         tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)

@@ -26,8 +26,8 @@ def time_us(fn) -> float:
 
 
 def fwd_candidates(m):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, programs per SM, weight loaded with the row)."""
-    return [(bm, N, nw, True, 0, early) for bm, nw, early in itertools.product([1, 2, 4], [2, 4, 8, 16], [False, True])
+    """(BLOCK_M, BLOCK_N, warps, one_pass, weight loaded with the row)."""
+    return [(bm, N, nw, True, early) for bm, nw, early in itertools.product([1, 2, 4], [2, 4, 8, 16], [False, True])
             if bm <= m]
 
 

@@ -32,14 +32,13 @@ def bench_ms(fn):
 
 
 def fwd_candidates(n):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, programs/SM; 0 = one program per tile)."""
+    """(BLOCK_M, BLOCK_N, warps, one_pass)."""
     cands = []
     bn = triton.next_power_of_2(n)
     if n <= 32768:
-        cands += [(bm, bn, nw, True, 0) for bm, nw in itertools.product([1, 2, 4, 8, 16], [4, 8, 16, 32])
+        cands += [(bm, bn, nw, True) for bm, nw in itertools.product([1, 2, 4, 8, 16], [4, 8, 16, 32])
                   if 1024 <= bm * bn <= 32768 and nw * 32 * 4 <= bm * bn and (bm == 1 or bn <= 4096)]
-    cands += [(1, c, nw, False, ps) for c, nw, ps in itertools.product([8192, 16384], [16, 32], [0, 1, 2])
-              if c < n and n >= 32768]
+    cands += [(1, c, nw, False) for c, nw in itertools.product([8192, 16384], [16, 32]) if c < n and n >= 32768]
     return cands
 
 

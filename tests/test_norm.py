@@ -217,7 +217,7 @@ def test_blocked_path_forced(is_rms, device, monkeypatch):
     monkeypatch.setattr(_common, "ROW_SPLIT", False)
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False, 1))
+    monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False))
     monkeypatch.setattr(norm_ops, "BWD_BLOCKED", (2, 32, 4, False, 2))
     x = torch.randn(2, 5, 3, 100, device=device, dtype=torch.float32)
     check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
@@ -281,7 +281,7 @@ def test_per_head_weight_with_residual(is_rms, blocked, device, monkeypatch):
     if blocked:  # per-head weights never take the row split
         monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 16)
         monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 16)
-        monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 16, 4, False, 1))
+        monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 16, 4, False))
         monkeypatch.setattr(norm_ops, "BWD_BLOCKED", (2, 16, 4, False, 2))
     x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
     res = torch.randn(2, 5, 4, 32, device=device, dtype=torch.float32)
@@ -439,8 +439,8 @@ def test_split_backward_config_for_every_dtype():
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
         for sms in (0, 132):
-            bm, bn, warps, one_pass, per_sm, early_w = norm_ops._fwd_config(n, m, is_rms, sms)
-            assert per_sm >= 0 and (not early_w or (one_pass and bm == 1 and sms > 0))
+            bm, bn, warps, one_pass, early_w = norm_ops._fwd_config(n, m, is_rms, sms)
+            assert not early_w or (one_pass and bm == 1 and sms > 0)
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
             assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
             assert bm * bn <= 65536
@@ -469,7 +469,9 @@ def test_decode_rules_are_the_measured_configs():
     row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
     M = 256, tiles of 2 at M = 5-16), 4 warps (8 for 4 rows); training sizes and an unknown SM
     count keep the bandwidth tables."""
-    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, 0, True)
+    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True)
+    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 8, True, True)  # 256 tiles, yet decode
+    assert norm_ops._fwd_config(4096, 512, False, 132)[-1] is False
     assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
     assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
     assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured

@@ -37,7 +37,7 @@ from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
 FWD_ONE_PASS_MAX = 32768
 BWD_ONE_PASS_MAX = 16384
-FWD_BLOCKED = (1, 16384, 32, False, 0)  # (BLOCK_M, column chunk, num_warps, one_pass, programs/SM)
+FWD_BLOCKED = (1, 16384, 32, False)  # (BLOCK_M, column chunk, num_warps, one_pass)
 # Rows of 2-byte elements up to this wide loop over half that chunk: H100, bf16, 256 MiB
 # (tune-norm-h100-2026-11-23/14-*): LayerNorm 87.9 / 85.4% of copy at 40960 / 49152 (16384-element
 # chunks: 70.9 / 80.0), RMSNorm 95.8 / 92.9 (77.6 / 85.7); at 65536 and wider the full chunk is
@@ -159,96 +159,105 @@ def _norm_fwd_kernel(
     PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, EARLY_W: tl.constexpr,
 ):
-    """Tiles of BLOCK_M rows; program p takes tiles p, p + programs, ... (one tile each on the
-    one-pass path, a persistent loop on the blocked one). EARLY_W (one-pass): the weight and
-    bias are loaded with the row, not after its reduction, so that their latency overlaps."""
+    """A tile of BLOCK_M rows a program (grid: cdiv(M, BLOCK_M)), whole in registers (ONE_PASS)
+    or in BLOCK_N-column chunks read twice. EARLY_W (one-pass): the weight and bias are loaded
+    with the row, not after its reduction, so that their latency overlaps. A one-pass tile is
+    addressed from its first row's 64-bit offset plus 32-bit offsets within it (a one-row tile:
+    the columns alone; rows of a tile several rows apart keep 64-bit offsets)."""
     # The norm's input dtype: the residual stream's when there is one.
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
-    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    if BLOCK_M == 1:  # a program a row: its row exists
+        row_mask = tl.full([BLOCK_M], 1, tl.int1)
+    else:
         row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        if PER_HEAD:
-            w_row = (rows % HEADS).to(tl.int64)[:, None] * N
+    rows64 = rows.to(tl.int64)
+    if PER_HEAD:
+        w_row = (rows % HEADS).to(tl.int64)[:, None] * N
+    else:
+        w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        row0 = tile.to(tl.int64) * BLOCK_M
+        in_tile = tl.arange(0, BLOCK_M)[:, None]
+        if BLOCK_M > 1:
+            in_tile = in_tile.to(tl.int64)
+        x = tl.load(X + row0 * stride_x + (in_tile * stride_x + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
+        if EARLY_W:
+            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+        if HAS_RES:
+            r = tl.load(RES + row0 * stride_res + (in_tile * stride_res + cols[None, :]), mask=mask, other=0.0)
+            h = (x + r.to(tl.float32)).to(in_ty)
+            tl.store(H + row0 * stride_h + (in_tile * stride_h + cols[None, :]), h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         else:
-            w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
-        if ONE_PASS:
-            cols = tl.arange(0, BLOCK_N)
+            # Sum and sum of squares side by side (two independent reductions, not the mean
+            # then the centred squares in sequence), shifted by the row's first element as in
+            # the blocked loop so that the variance does not cancel when |mean| >> std.
+            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+            xs = tl.where(mask, x - shift[:, None], 0.0)
+            mean_shifted = tl.sum(xs, axis=1) / N
+            mean = shift + mean_shifted
+            rstd = 1.0 / tl.sqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
+            x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
+        if not EARLY_W:
+            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+        y = _scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+        tl.store(Y + row0 * stride_y + (in_tile * stride_y + cols[None, :]), y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: sum and sum of squares, shifted by the row's first element so that the
+        # LayerNorm variance does not cancel when |mean| >> std.
+        if IS_RMS:
+            shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+        acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if EARLY_W:
-                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
             if HAS_RES:
                 r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
                 h = (x + r.to(tl.float32)).to(in_ty)
-                tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+                tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask,
+                         eviction_policy="evict_last")
                 x = h.to(tl.float32)
-            if IS_RMS:
-                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-            else:
-                # Sum and sum of squares side by side (two independent reductions, not the mean
-                # then the centred squares in sequence), shifted by the row's first element as in
-                # the blocked loop so that the variance does not cancel when |mean| >> std.
-                shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
-                xs = tl.where(mask, x - shift[:, None], 0.0)
-                mean_shifted = tl.sum(xs, axis=1) / N
-                mean = shift + mean_shifted
-                rstd = 1.0 / tl.sqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
-                x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
-            if not EARLY_W:
-                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-            y = _scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
-            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            xs = tl.where(mask, x - shift[:, None], 0.0)
+            acc_sum += xs
+            acc_sq += xs * xs
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            var = tl.sum(acc_sq, axis=1) / N
         else:
-            # Pass 1: sum and sum of squares, shifted by the row's first element so that the
-            # LayerNorm variance does not cancel when |mean| >> std.
-            if IS_RMS:
-                shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+            mean_shifted = tl.sum(acc_sum, axis=1) / N
+            mean = shift + mean_shifted
+            var = _shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        # Pass 2: normalize; the row was just read, so most of it comes back from L2.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            if HAS_RES:
+                x = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             else:
-                shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
-            acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < N)[None, :]
                 x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-                if HAS_RES:
-                    r = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-                    h = (x + r.to(tl.float32)).to(in_ty)
-                    tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask,
-                             eviction_policy="evict_last")
-                    x = h.to(tl.float32)
-                xs = tl.where(mask, x - shift[:, None], 0.0)
-                acc_sum += xs
-                acc_sq += xs * xs
-            if IS_RMS:
-                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-                var = tl.sum(acc_sq, axis=1) / N
-            else:
-                mean_shifted = tl.sum(acc_sum, axis=1) / N
-                mean = shift + mean_shifted
-                var = _shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
-            rstd = 1.0 / tl.sqrt(var + eps)
-            # Pass 2: normalize; the row was just read, so most of it comes back from L2.
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                if HAS_RES:
-                    x = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0,
-                                eviction_policy="evict_first").to(tl.float32)
-                else:
-                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                                eviction_policy="evict_first").to(tl.float32)
-                w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-                y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
-                                 QUANTIZE)
-                tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-        if STORE_STATS:
-            tl.store(RSTD + rows, rstd, mask=row_mask)
-            if not IS_RMS:
-                tl.store(MEAN + rows, mean, mask=row_mask)
+                            eviction_policy="evict_first").to(tl.float32)
+            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+            y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
+                             QUANTIZE)
+            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if not IS_RMS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
 
 
 @triton.jit
@@ -724,10 +733,9 @@ def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr
 # launch heuristics
 # --------------------------------------------------------------------------------------------
 def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, early_w) for the forward of M
-    rows of N elements of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no decode
-    rule); programs per SM 0 = one program per tile (no persistent loop); early_w: the weight
-    loaded with the row.
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, early_w) for the forward of M rows of N elements
+    of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no decode rule); early_w: the
+    weight loaded with the row.
 
     H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
     up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
@@ -737,15 +745,17 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     16384-element chunks with 32 warps (a persistent grid measured no better), 8192-element
     ones for 2-byte rows up to FWD_BLOCKED_HALF_CHUNK_MAX.
 
-    Too few rows of 1K-8K elements to fill the GPU (decode sizes): latency, not bandwidth. A row
-    per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA graphs, M = 1-256:
-    0.2-0.5 us faster than the bandwidth configuration; benchmarks/results/decode-h100-2026-11-23/).
+    Too few rows of 1K-8K elements to fill the GPU, or M <= 256 (decode sizes): latency, not
+    bandwidth. A row per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA
+    graphs, M = 1-256: 0.2-0.5 us faster than the bandwidth configuration,
+    benchmarks/results/decode-h100-2026-11-23/; LayerNorm at M = 256 3.0 vs 3.5 us,
+    decode-h100-2026-11-24/6-*).
     """
     if n > FWD_ONE_PASS_MAX:
-        block_m, chunk, num_warps, one_pass, per_sm = FWD_BLOCKED
+        block_m, chunk, num_warps, one_pass = FWD_BLOCKED
         if n <= FWD_BLOCKED_HALF_CHUNK_MAX and elem_size == 2:
             chunk //= 2
-        return block_m, chunk, num_warps, one_pass, per_sm, False
+        return block_m, chunk, num_warps, one_pass, False
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
         tile = 8192 if is_rms else 4096
@@ -754,9 +764,9 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     else:
         block_m = 1
         num_warps = max(4, block_n // 2048) if is_rms else (32 if block_n == 32768 else 4)
-    if 1024 <= block_n <= 8192 and cdiv(m, block_m) < sms:
-        return 1, block_n, max(4, min(8, block_n // 512)), True, 0, True
-    return block_m, block_n, num_warps, True, 0, False
+    if 1024 <= block_n <= 8192 and sms and (cdiv(m, block_m) < sms or m <= 256):
+        return 1, block_n, max(4, min(8, block_n // 512)), True, True
+    return block_m, block_n, num_warps, True, False
 
 
 # block_n -> (tile elements, num_warps, programs per SM, prefetch) of the one-pass backward;
@@ -860,11 +870,9 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
             num_warps=num_warps, maxnreg=resident_registers(num_warps, per_sm),
         )
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, per_sm, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
-                                                                        x.element_size())
-    n_tiles = cdiv(m, block_m)
-    grid = (n_tiles if per_sm == 0 else min(n_tiles, persistent_programs(dev, per_sm)),)
-    launch(_norm_fwd_kernel, grid,
+    block_m, block_n, num_warps, one_pass, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
+                                                                x.element_size())
+    launch(_norm_fwd_kernel, (cdiv(m, block_m),),
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
         y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
         m, n, heads,

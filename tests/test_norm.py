@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import llmkernels as lk
 from llmkernels import reference
@@ -424,6 +426,28 @@ def test_pipeline_stages_fit_shared_memory(monkeypatch):
     assert _common.fit_stages(3, 250000, gpu) == 0
     assert _common.fit_stages(1, 10**9, gpu) == 1 and _common.fit_stages(0, 10**9, gpu) == 0
     assert _common.fit_stages(4, 10**9, torch.device("cpu")) == 4
+
+
+@triton.jit
+def _slot_pair_roundtrip_kernel(SLOTS, NONNEG, VALUE, OUT_NONNEG, OUT_VALUE, K, BLOCK: tl.constexpr):
+    idx = tl.arange(0, BLOCK)
+    _common.publish_pair(SLOTS + idx, tl.load(NONNEG + idx), tl.load(VALUE + idx))
+    nonneg, value = _common.collect_pair(SLOTS + idx, idx < K)
+    tl.store(OUT_NONNEG + idx, nonneg)
+    tl.store(OUT_VALUE + idx, value)
+
+
+def test_slot_pair_holds_two_values_exactly(device):
+    """A slot written by ``publish_pair`` gives back both fp32 values bit for bit (a zero sum of
+    squares too: the tag is the high word's sign bit), and 0 where the mask is off."""
+    nonneg = torch.tensor([0.0, 1.5e-38, 3.25, 7.0e37, 1e-45, 2.0, 11.0, 0.5], device=device)
+    value = torch.tensor([-0.0, -2.5, 0.0, -3.0e38, 1e-45, -1e-30, 6.0, 9.0], device=device)
+    slots = torch.zeros(8, dtype=torch.int64, device=device)
+    out_nonneg, out_value = torch.full_like(nonneg, float("nan")), torch.full_like(value, float("nan"))
+    _slot_pair_roundtrip_kernel[(1,)](slots, nonneg, value, out_nonneg, out_value, 6, BLOCK=8)
+    assert torch.equal(out_nonneg[:6].view(torch.int32), nonneg[:6].view(torch.int32))
+    assert torch.equal(out_value[:6].view(torch.int32), value[:6].view(torch.int32))
+    assert out_nonneg[6:].eq(0).all() and (slots != 0).all()
 
 
 def test_split_backward_config_for_every_dtype():

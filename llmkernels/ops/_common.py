@@ -196,6 +196,15 @@ def publish(SLOT, value):
 
 
 @triton.jit
+def publish_pair(SLOT, nonneg, value):
+    """Two fp32 values in one slot: ``nonneg`` (>= 0, e.g. a sum of squares) in the high word
+    with its sign bit set as the tag, ``value`` in the low word (``collect_pair`` reads them)."""
+    high = (nonneg.to(tl.float32).to(tl.uint32, bitcast=True) | 0x80000000).to(tl.int64)
+    low = value.to(tl.float32).to(tl.uint32, bitcast=True).to(tl.int64)
+    tl.atomic_xchg(SLOT, (high << 32) | low, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def keep_packed(x):
     """``x`` unchanged, passed through an opaque move (inline assembly with a side effect) where
     it is used. A 2-byte tile that a program holds across a loop (a weight slice) and converts to
@@ -227,17 +236,16 @@ _SPIN_ON_SLOT = tl.constexpr("""{
 
 
 @triton.jit
-def collect(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr = False):
-    """fp32 values of the slots ``SLOTS`` (a block of pointers, any shape) where ``mask``, else 0.
-    ``IN_PIPELINED_LOOP``: the spin in inline assembly (see ``_SPIN_ON_SLOT``); elsewhere a loop
-    of volatile loads, which measured faster there (the split RMSNorm forward without statistics:
-    90% of copy against 76 on H100)."""
+def _collect_slots(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr):
+    """The int64 slots ``SLOTS`` (a block of pointers, any shape), once each one where ``mask`` is
+    published; 0x100000000 (a tag, zero words) elsewhere. See ``collect``."""
     if IN_PIPELINED_LOOP and not INTERPRET_CONST:  # (no inline assembly under the interpreter)
         slots = tl.inline_asm_elementwise(_SPIN_ON_SLOT, "=l,l,r", [SLOTS, mask.to(tl.int32)], dtype=tl.int64,
                                           is_pure=False, pack=1)
     else:
         slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
-        while tl.min(tl.ravel(slots >> 32), axis=0) == 0:
+        # (the high word unsigned: a ``publish_pair`` slot's has its sign bit set)
+        while tl.min(tl.ravel(slots.to(tl.uint64, bitcast=True) >> 32), axis=0) == 0:
             slots = tl.load(SLOTS, mask=mask, other=0x100000000, volatile=True)
         # A block smaller than the program is held in several copies (threads), each loaded on
         # its own, and the loop's reduction need not look at every copy: a copy can still hold
@@ -245,4 +253,26 @@ def collect(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr = False):
         # sibling's part). Every slot is published by now, so such copies load it again.
         stale = (slots >> 32) == 0
         slots = tl.where(stale, tl.load(SLOTS, mask=mask & stale, other=0x100000000, volatile=True), slots)
+    return slots
+
+
+@triton.jit
+def _low_float(slots):
     return (slots & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def collect(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr = False):
+    """fp32 values of the slots ``SLOTS`` (a block of pointers, any shape) where ``mask``, else 0.
+    ``IN_PIPELINED_LOOP``: the spin in inline assembly (see ``_SPIN_ON_SLOT``); elsewhere a loop
+    of volatile loads, which measured faster there (the split RMSNorm forward without statistics:
+    90% of copy against 76 on H100)."""
+    return _low_float(_collect_slots(SLOTS, mask, IN_PIPELINED_LOOP))
+
+
+@triton.jit
+def collect_pair(SLOTS, mask):
+    """The two fp32 values of each slot written by ``publish_pair`` (high word's, low word's)
+    where ``mask``, else 0."""
+    slots = _collect_slots(SLOTS, mask, False)
+    return tl.where(mask, _low_float((slots >> 32) & 0x7FFFFFFF), 0.0), _low_float(slots)

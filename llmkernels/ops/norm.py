@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, fit_stages, keep_packed, launch,
-                      next_pow2, persistent_programs, publish, resident_registers, row_slice, split_grid,
+from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, collect_pair, fit_stages, keep_packed, launch,
+                      next_pow2, persistent_programs, publish, publish_pair, resident_registers, row_slice, split_grid,
                       use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
@@ -77,7 +77,9 @@ BWD_DECODE_PROGRAMS = 64
 # (benchmarks/results/tune-norm-h100-2026-11-23/21-*): bf16 RMSNorm 95.2 / 95.2 / 94.9 (blocked
 # loop 92.9 / 87.2 / 81.1; the previous split, the whole row in registers and the exchange
 # skewed: 92-93), fp16 95.0-96.3; bf16 LayerNorm 93.7 / 93.4 / 92.7 at 8 warps, its two sums in
-# one reduction and its weight and bias kept packed (``keep_packed``; 4 warps: 92.0 / 91.9 / 91.2;
+# one reduction, published together in one slot (``publish_pair``: 94.6 / 94.1 at 65536 / 131072,
+# tune-norm-h100-2026-11-24/10-*; two slots 93.3-93.6 / 92.5-92.8) and its weight and bias kept
+# packed (``keep_packed``; 4 warps: 92.0 / 91.9 / 91.2;
 # blocked 85.3 / 82.4 / 77.5; from 36864: 88.9 vs 84.6), fp16 94.5 / 94.5 / 93.9 (from
 # benchmarks/results/tune-norm-h100-2026-11-24/); 2-byte add + RMSNorm 96.3-97.8; fp32 RMSNorm
 # 98.3-98.8, LayerNorm 97.1-98.1, add + RMSNorm 96.9-97.5 (at 36864 / 40960 the blocked loop's
@@ -274,7 +276,7 @@ def _norm_fwd_split_kernel(
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
     row ahead: the iteration that loads row r + 1's slice publishes row r's sums (RMSNorm: sum of
     squares; LayerNorm: sum of squares and sum, shifted by the row's first element as the other
-    paths do) to ``SLOTS [M, PARTS, 2]`` (int64, zeroed; see ``publish``/``collect``), then
+    paths do; both in one slot) to ``SLOTS [M, PARTS]`` (int64, zeroed; see ``publish``/``collect``), then
     collects row r - 1's sums, which its siblings published an iteration before, and writes its
     slice of y, reading the slice again (from L2, where the first read left it: ``evict_last``;
     y streams out with ``evict_first``). With a residual, h = x + residual is written when
@@ -289,11 +291,8 @@ def _norm_fwd_split_kernel(
     mask = cols < N
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
     w, b = _load_wb(W, B, cols, mask, HAS_W, HAS_B)
-    slot_idx = tl.arange(0, PARTS_POW2)[:, None] * 2 + tl.arange(0, 2)[None, :]
-    if IS_RMS:
-        slot_mask = (slot_idx < 2 * PARTS) & (slot_idx % 2 == 0)
-    else:
-        slot_mask = slot_idx < 2 * PARTS
+    slot_idx = tl.arange(0, PARTS_POW2)
+    slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
     # x is read again for y (h, with a residual, is what is read again)
     x_evict_last: tl.constexpr = not HAS_RES
@@ -316,7 +315,7 @@ def _norm_fwd_split_kernel(
         if row < M:
             if HAS_RES:
                 tl.store(H + row * stride_h + cols, x_now, mask=mask, eviction_policy="evict_last")
-            _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + (row * PARTS + part) * 2, IS_RMS)
+            _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + row * PARTS + part, IS_RMS)
         if row >= groups:
             _fwd_split_write(row - groups, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD,
                              cols, mask, N, stride_x, stride_h, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS,
@@ -344,8 +343,7 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr):
     else:
         xs = tl.where(mask, x - shift, 0.0)
         sum_sq, total = tl.reduce((xs * xs, xs), 0, _add_pair)
-        publish(SLOT, sum_sq)
-        publish(SLOT + 1, total)
+        publish_pair(SLOT, sum_sq, total)
 
 
 @triton.jit
@@ -355,7 +353,10 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
                      QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
     """Collect row ``row``'s sums from its slots, read its slice again (x, or h with a residual)
     and write y of the slice (part 0: and the row's statistics)."""
-    sums = collect(SLOTS + row * PARTS * 2 + slot_idx, slot_mask)
+    if IS_RMS:
+        sums_sq = collect(SLOTS + row * PARTS + slot_idx, slot_mask)
+    else:
+        sums_sq, sums = collect_pair(SLOTS + row * PARTS + slot_idx, slot_mask)
     if HAS_RES:
         x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
@@ -365,13 +366,12 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
         w = keep_packed(w)
     if HAS_B:
         b = keep_packed(b)
-    sum_sq = tl.sum(tl.sum(tl.where(slot_idx % 2 == 0, sums, 0.0), axis=1), axis=0)
     if IS_RMS:
         mean = 0.0
-        var = sum_sq / N
+        var = tl.sum(sums_sq, axis=0) / N
     else:
-        mean_shifted = tl.sum(tl.sum(tl.where(slot_idx % 2 == 1, sums, 0.0), axis=1), axis=0) / N
-        var = _shifted_var(mean_shifted, sum_sq / N)
+        mean_shifted = tl.sum(sums, axis=0) / N
+        var = _shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
         mean = shift + mean_shifted
         x = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(var + eps)
@@ -860,7 +860,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
         launch(_norm_fwd_split_kernel, (groups * parts,),
             x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
             y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
-            torch.zeros((m, parts, 2), dtype=torch.int64, device=dev),
+            torch.zeros((m, parts), dtype=torch.int64, device=dev),
             m, n,
             x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
             eps, weight_offset,

@@ -147,7 +147,7 @@ def main():
     elif args.what == "split-fwd":
         # (columns per program, num_warps, programs per SM); None = the blocked loop
         widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + [(c, nw, per_sm) for c, nw, per_sm in itertools.product(widths, [4, 8, 16], [1, 2])
+        cands = [None] + [(c, nw, per_sm) for c, nw, per_sm in itertools.product(widths, [4, 8, 16], [1, 2, 4])
                           if per_sm * nw <= 16]
         saved = N_._fwd_split_config, _common.ROW_SPLIT
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):

@@ -481,8 +481,11 @@ def test_heuristics_cover_every_width(n):
         assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == (n < 49152)
         for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
             cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
-            assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2)
+            assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
                                    and _common.resident_registers(cfg[1], cfg[2]) >= 128)
+        # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
+        assert norm_ops._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
+        assert n < 49152 or norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
         assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
         assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
 

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, collect_pair, fit_stages, keep_packed, launch,
-                      next_pow2, persistent_programs, publish, publish_pair, resident_registers, row_slice, split_grid,
-                      use_kernels)
+from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, collect_pair, fit_stages, keep_packed,
+                      launch, next_pow2, persistent_programs, publish, publish_pair, resident_registers, row_slice,
+                      split_grid, use_kernels)
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -286,8 +286,8 @@ def _norm_fwd_split_kernel(
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
     row ahead: the iteration that loads row r + 1's slice publishes row r's sums (RMSNorm: sum of
     squares; LayerNorm: sum of squares and sum, shifted by the row's first element as the other
-    paths do; both in one slot) to ``SLOTS [M, PARTS]`` (int64, zeroed; see ``publish``/``collect``), then
-    collects row r - 1's sums, which its siblings published an iteration before, and writes its
+    paths do; both in one slot) to ``SLOTS [M, PARTS]`` (int64, zeroed; see ``publish``/``collect``),
+    then collects row r - 1's sums, which its siblings published an iteration before, and writes its
     slice of y, reading the slice again (from L2, where the first read left it: ``evict_last``;
     y streams out with ``evict_first``). With a residual, h = x + residual is written when
     published and read back for y. Two slices (the one loading, the one published) are all a

@@ -46,7 +46,8 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                      N="i32", stride_x="i32", stride_res="i32", stride_y="i32", stride_h="i32", eps="fp32",
                      weight_offset="fp32")
         constexprs = dict(IS_RMS=is_rms, HAS_RES=False, HAS_W=True, HAS_B=not is_rms, QUANTIZE=is_rms,
-                          STORE_STATS=True, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n)
+                          STORE_STATS=True, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
+                          EVEN=True)
         options["maxnreg"] = resident_registers(num_warps, per_sm)
     else:
         kernel = N_._norm_bwd_split_kernel

@@ -150,7 +150,7 @@ def test_residual_grads_do_not_alias(device):
     assert not torch.equal(x.grad, r.grad), "x.grad and residual.grad share storage"
 
 
-@pytest.mark.parametrize("n", [40001, 70001])
+@pytest.mark.parametrize("n", [40001, 65536, 70001])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -158,7 +158,8 @@ def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     """Rows wider than the one-pass limits, with and without a residual: forward and backward split
     across programs (on a GPU; the interpreter cannot run programs that wait for each other; the
     forward where FWD_SPLIT has the case) or blocked (in half chunks up to
-    FWD_BLOCKED_HALF_CHUNK_MAX)."""
+    FWD_BLOCKED_HALF_CHUNK_MAX). 65536 fills whole slices of every split, 40001 and 70001 leave
+    the last one partly masked."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     monkeypatch.setattr(_common, "ROW_SPLIT", split)
@@ -476,16 +477,16 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
-    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward (2-byte RMSNorm from 49152), the blocked loop's chunk
+    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward (2-byte RMSNorm from 45056), the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
-        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == (n < 49152)
+        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == (n < 45056)
         for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
             cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
             assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
                                    and _common.resident_registers(cfg[1], cfg[2]) >= 128)
         # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
         assert norm_ops._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert n < 49152 or norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
+        assert n < 45056 or norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
         assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
         assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
 

@@ -71,24 +71,21 @@ BWD_DECODE_PROGRAMS = 64
 # (held: 94 / 92 / 91 at 16 warps; tune-norm-h100-2026-11-24/6-*). Kept packed, bf16 RMSNorm
 # measured the same and bf16 LayerNorm 66-67 against 87-90: not there.
 # The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``: the
-# exchange a row ahead, each slice read again from L2 for y), where measured faster than the
-# blocked loop: (RMSNorm?, bytes per element, residual?) -> (columns per program, num_warps,
-# programs per SM, narrowest row split). H100, 256 MiB, % of copy at N = 49152 / 65536 / 131072
-# (benchmarks/results/tune-norm-h100-2026-11-23/21-*): bf16 RMSNorm 95.2 / 95.2 / 94.9 (blocked
-# loop 92.9 / 87.2 / 81.1; the previous split, the whole row in registers and the exchange
-# skewed: 92-93), fp16 95.0-96.3; bf16 LayerNorm 93.7 / 93.4 / 92.7 at 8 warps, its two sums in
-# one reduction, published together in one slot (``publish_pair``: 94.6 / 94.1 at 65536 / 131072,
-# tune-norm-h100-2026-11-24/10-*; two slots 93.3-93.6 / 92.5-92.8) and its weight and bias kept
-# packed (``keep_packed``; 4 warps: 92.0 / 91.9 / 91.2;
-# blocked 85.3 / 82.4 / 77.5; from 36864: 88.9 vs 84.6), fp16 94.5 / 94.5 / 93.9 (from
-# benchmarks/results/tune-norm-h100-2026-11-24/); 2-byte add + RMSNorm 96.3-97.8; fp32 RMSNorm
-# 98.3-98.8, LayerNorm 97.1-98.1, add + RMSNorm 96.9-97.5 (at 36864 / 40960 the blocked loop's
-# 99.1 / 97.5 against 95.3 / 95.1). Two-byte rows run two programs an SM: the loads of two slices
-# in flight (one program's 16 KB slice is too little to cover the latency). 2-byte RMSNorm rows up
-# to 40960 are faster in the blocked loop with 8192-element chunks (95.4 / 95.5% at 36864 / 40960
-# against 91.0 / 94.8).
+# exchange a row ahead, each slice read again from L2 for y, that read issued before the wait on
+# the siblings' sums), where measured faster than the blocked loop: (RMSNorm?, bytes per element,
+# residual?) -> (columns per program, num_warps, programs per SM, narrowest row split). Two-byte
+# rows run two programs an SM: the loads of two 16 KB slices in flight (one is too little to cover
+# the latency). LayerNorm's two sums go through one reduction into one slot (``publish_pair``) and
+# its weight and bias are kept packed (``keep_packed``: 121 registers at 8 warps, no spill).
+# H100, 256 MiB, % of copy (benchmarks/results/tune-norm-h100-2026-11-24/13-*), N = 36864 / 45056 /
+# 65536 / 131072: bf16 LayerNorm 95.7 / 95.8 / 96.1 / 95.5 (the read after the wait: 92.5 / 92.2 /
+# 94.4 / 94.1), fp16 96.2-96.4, fp32 97.1-99.0; bf16 RMSNorm 96.2 (blocked) / 96.2 / 96.6 / 95.8,
+# fp16 96.8-97.2, fp32 97.7-99.0; 2-byte add + RMSNorm 96.7-98.1, fp32 96.8-99.3. 2-byte RMSNorm
+# rows up to 40960 are as fast in the blocked loop with 8192-element chunks (96.4 / 96.1 at 36864
+# / 40960 against 95.8 / 96.1 split; at 45056 94.6 against 96.2), fp32 add + RMSNorm up to 45056
+# (99.1 / 97.5 at 36864 / 40960 against 95.3 / 95.1).
 FWD_SPLIT = {
-    (True, 2, False): (8192, 8, 2, 49152),
+    (True, 2, False): (8192, 8, 2, 45056),
     (True, 2, True): (8192, 4, 2, 0),
     (True, 4, False): (8192, 8, 1, 0),
     (True, 4, True): (8192, 8, 1, 49152),
@@ -97,10 +94,10 @@ FWD_SPLIT = {
 }
 # Rows that do not fill whole slices of the entry's columns: 2-byte rows then split into
 # 4096-column slices, 4 warps, 4 programs an SM. H100, bf16, 256 MiB, % of copy
-# (benchmarks/results/tune-norm-h100-2026-11-24/9-*): LayerNorm 92.2 / 91.8 / 86.5 / 87.4 at
-# N = 36864 / 45056 / 70000 / 100000 against 89.5 / 90.0 / 86.8 / 84.7 (8192 x 8, 2 an SM; at 65536
-# / 131072 the entry's 94.4 / 93.9 against 92.1); RMSNorm 87.5 / 88.7 at 70000 / 100000 against
-# 88.0 / 85.1.
+# (benchmarks/results/tune-norm-h100-2026-11-24/9-*, 13-*): LayerNorm 95.7 / 92.4 / 93.4 at
+# N = 36864 / 70000 / 100000 (8192 x 8, 2 an SM, before the read was moved ahead of the wait: 89.5
+# at 36864; after it 91.9 / 91.2 at 70000 / 100000); RMSNorm 93.0 / 93.9 at 70000 / 100000 against
+# 93.2 / 92.6.
 FWD_SPLIT_RAGGED = {
     (True, 2, False): (4096, 4, 4),
     (False, 2, False): (4096, 4, 4),
@@ -280,7 +277,7 @@ def _norm_fwd_split_kernel(
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
-    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Forward of rows too wide for one program: ``PARTS`` programs share each row, each taking a
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
@@ -289,11 +286,12 @@ def _norm_fwd_split_kernel(
     paths do; both in one slot) to ``SLOTS [M, PARTS]`` (int64, zeroed; see ``publish``/``collect``),
     then collects row r - 1's sums, which its siblings published an iteration before, and writes its
     slice of y, reading the slice again (from L2, where the first read left it: ``evict_last``;
-    y streams out with ``evict_first``). With a residual, h = x + residual is written when
+    y streams out with ``evict_first``). That read is issued before the wait on the siblings' sums,
+    so that its latency and the wait overlap. With a residual, h = x + residual is written when
     published and read back for y. Two slices (the one loading, the one published) are all a
     program holds across iterations, so that two programs fit an SM. Part 0 writes the row's
-    statistics. Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups,
-    ..."""
+    statistics. EVEN: N is a multiple of BLOCK_N (no masked columns to keep out of the sums).
+    Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ..."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -325,7 +323,7 @@ def _norm_fwd_split_kernel(
         if row < M:
             if HAS_RES:
                 tl.store(H + row * stride_h + cols, x_now, mask=mask, eviction_policy="evict_last")
-            _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + row * PARTS + part, IS_RMS)
+            _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + row * PARTS + part, IS_RMS, EVEN)
         if row >= groups:
             _fwd_split_write(row - groups, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD,
                              cols, mask, N, stride_x, stride_h, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS,
@@ -345,13 +343,15 @@ def _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty: tl.constexpr, 
 
 
 @triton.jit
-def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr):
+def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.constexpr):
     """Publish a row slice's sums (fp32 ``x``): RMSNorm its sum of squares; LayerNorm its sum of
     squares and sum, shifted by ``shift``."""
     if IS_RMS:
         publish(SLOT, tl.sum(x * x, axis=0))
     else:
-        xs = tl.where(mask, x - shift, 0.0)
+        xs = x - shift
+        if not EVEN:
+            xs = tl.where(mask, xs, 0.0)
         sum_sq, total = tl.reduce((xs * xs, xs), 0, _add_pair)
         publish_pair(SLOT, sum_sq, total)
 
@@ -361,16 +361,18 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
                      stride_x, stride_h, stride_y, eps, weight_offset, in_ty: tl.constexpr, PARTS: tl.constexpr,
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                      QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
-    """Collect row ``row``'s sums from its slots, read its slice again (x, or h with a residual)
-    and write y of the slice (part 0: and the row's statistics)."""
-    if IS_RMS:
-        sums_sq = collect(SLOTS + row * PARTS + slot_idx, slot_mask)
-    else:
-        sums_sq, sums = collect_pair(SLOTS + row * PARTS + slot_idx, slot_mask)
+    """Read row ``row``'s slice again (x, or h with a residual), collect the row's sums from its
+    slots and write y of the slice (part 0: and the row's statistics). The read goes first: it
+    is in flight while the program waits on the slots (H100, bf16, 65536 / 131072: LayerNorm 95.9 /
+    95.3% of copy against 94.4 / 94.1 read after the wait; RMSNorm 96.4 / 95.7 against 95.1 / 94.9)."""
     if HAS_RES:
         x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    if IS_RMS:
+        sums_sq = collect(SLOTS + row * PARTS + slot_idx, slot_mask)
+    else:
+        sums_sq, sums = collect_pair(SLOTS + row * PARTS + slot_idx, slot_mask)
     x = x.to(tl.float32)
     if HAS_W:
         w = keep_packed(w)
@@ -383,7 +385,7 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
         mean_shifted = tl.sum(sums, axis=0) / N
         var = _shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
         mean = shift + mean_shifted
-        x = tl.where(mask, x - mean, 0.0)
+        x = x - mean  # columns past N: not stored
     rstd = 1.0 / tl.sqrt(var + eps)
     y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
@@ -879,7 +881,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
             eps, weight_offset,
             IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
             QUANTIZE=quantize, STORE_STATS=store_stats,
-            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=block_n,
+            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=block_n, EVEN=n % block_n == 0,
             num_warps=num_warps, maxnreg=resident_registers(num_warps, per_sm),
         )
         return y, h, mean, rstd

@@ -203,7 +203,7 @@ def _norm_fwd_kernel(
             x = h.to(tl.float32)
         if IS_RMS:
             mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         else:
             # Sum and sum of squares side by side (two independent reductions, not the mean
             # then the centred squares in sequence), shifted by the row's first element as in
@@ -212,8 +212,10 @@ def _norm_fwd_kernel(
             xs = tl.where(mask, x - shift[:, None], 0.0)
             mean_shifted = tl.sum(xs, axis=1) / N
             mean = shift + mean_shifted
-            rstd = 1.0 / tl.sqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
+            rstd = tl.rsqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
             x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
+        if STORE_STATS:
+            _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)
         if not EARLY_W:
             w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
         y = _scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
@@ -248,7 +250,9 @@ def _norm_fwd_kernel(
             mean_shifted = tl.sum(acc_sum, axis=1) / N
             mean = shift + mean_shifted
             var = _shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
-        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd = tl.rsqrt(var + eps)
+        if STORE_STATS:
+            _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)
         # Pass 2: normalize; the row was just read, so most of it comes back from L2.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -263,10 +267,14 @@ def _norm_fwd_kernel(
             y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
                              QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    if STORE_STATS:
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        if not IS_RMS:
-            tl.store(MEAN + rows, mean, mask=row_mask)
+
+
+@triton.jit
+def _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
+    """The rows' statistics, stored as soon as they are known (before y)."""
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    if not IS_RMS:
+        tl.store(MEAN + rows, mean, mask=row_mask)
 
 
 @triton.jit
@@ -386,13 +394,13 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
         var = _shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
         mean = shift + mean_shifted
         x = x - mean  # columns past N: not stored
-    rstd = 1.0 / tl.sqrt(var + eps)
-    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    rstd = tl.rsqrt(var + eps)
     if STORE_STATS and part == 0:
         tl.store(RSTD + row, rstd)
         if not IS_RMS:
             tl.store(MEAN + row, mean)
+    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit

@@ -271,7 +271,7 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
-    """The rows' statistics, stored as soon as they are known (before y)."""
+    """The rows' statistics where ``row_mask``, stored as soon as they are known (before y)."""
     tl.store(RSTD + rows, rstd, mask=row_mask)
     if not IS_RMS:
         tl.store(MEAN + rows, mean, mask=row_mask)
@@ -395,10 +395,8 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
         mean = shift + mean_shifted
         x = x - mean  # columns past N: not stored
     rstd = tl.rsqrt(var + eps)
-    if STORE_STATS and part == 0:
-        tl.store(RSTD + row, rstd)
-        if not IS_RMS:
-            tl.store(MEAN + row, mean)
+    if STORE_STATS:
+        _store_stats(MEAN, RSTD, row, part == 0, mean, rstd, IS_RMS)
     y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 

@@ -205,14 +205,16 @@ def _norm_fwd_kernel(
             mean = tl.zeros([BLOCK_M], dtype=tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         else:
-            # Sum and sum of squares side by side (two independent reductions, not the mean
-            # then the centred squares in sequence), shifted by the row's first element as in
-            # the blocked loop so that the variance does not cancel when |mean| >> std.
+            # Sum and sum of squares in one reduction (not the mean then the centred squares in
+            # sequence, nor two reductions each with its own shared-memory exchange), shifted by
+            # the row's first element as in the blocked loop so that the variance does not
+            # cancel when |mean| >> std.
             shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
             xs = tl.where(mask, x - shift[:, None], 0.0)
-            mean_shifted = tl.sum(xs, axis=1) / N
+            sum_shifted, sum_sq = tl.reduce((xs, xs * xs), 1, _add_pair)
+            mean_shifted = sum_shifted / N
             mean = shift + mean_shifted
-            rstd = tl.rsqrt(_shifted_var(mean_shifted, tl.sum(xs * xs, axis=1) / N) + eps)
+            rstd = tl.rsqrt(_shifted_var(mean_shifted, sum_sq / N) + eps)
             x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
         if STORE_STATS:
             _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)

@@ -493,12 +493,13 @@ def test_heuristics_cover_every_width(n):
 
 def test_decode_rules_are_the_measured_configs():
     """Decode sizes on 132 SMs (N = 4096, benchmarks/results/decode-h100-2026-11-23/ and -24/):
-    the forward takes a row a program at 8 warps with the weight loaded early; the backward a
+    the forward takes a row a program at 8 warps (LayerNorm 4) with the weight loaded early; the backward a
     row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
     M = 256, tiles of 2 at M = 5-16), 4 warps (8 for 4 rows); training sizes and an unknown SM
     count keep the bandwidth tables."""
     assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True)
-    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 8, True, True)  # 256 tiles, yet decode
+    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True)  # 256 tiles, yet decode
+    assert norm_ops._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True)
     assert norm_ops._fwd_config(4096, 512, False, 132)[-1] is False
     assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
     assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False

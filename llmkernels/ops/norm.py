@@ -766,10 +766,11 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     ones for 2-byte rows up to FWD_BLOCKED_HALF_CHUNK_MAX.
 
     Too few rows of 1K-8K elements to fill the GPU, or M <= 256 (decode sizes): latency, not
-    bandwidth. A row per program, 8 warps, the weight loaded with the row (N = 4096, H100, CUDA
-    graphs, M = 1-256: 0.2-0.5 us faster than the bandwidth configuration,
+    bandwidth. A row per program, 8 warps (LayerNorm 4), the weight loaded with the row (N = 4096,
+    H100, CUDA graphs, M = 1-256: 0.2-0.5 us faster than the bandwidth configuration,
     benchmarks/results/decode-h100-2026-11-23/; LayerNorm at M = 256 3.0 vs 3.5 us,
-    decode-h100-2026-11-24/6-*).
+    decode-h100-2026-11-24/6-*; LayerNorm's 4 warps, with its two sums in one reduction: 0.03-0.12
+    us faster than 8 at M = 1-128, level at 256, decode-h100-2026-11-24/15-*).
     """
     if n > FWD_ONE_PASS_MAX:
         block_m, chunk, num_warps, one_pass = FWD_BLOCKED
@@ -785,7 +786,7 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
         block_m = 1
         num_warps = max(4, block_n // 2048) if is_rms else (32 if block_n == 32768 else 4)
     if 1024 <= block_n <= 8192 and sms and (cdiv(m, block_m) < sms or m <= 256):
-        return 1, block_n, max(4, min(8, block_n // 512)), True, True
+        return 1, block_n, max(4, min(8, block_n // 512)) if is_rms else 4, True, True
     return block_m, block_n, num_warps, True, False
 
 

@@ -760,9 +760,11 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
     up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
     thread, 98-99% of copy (16 warps on the same tiles: 72-88%). One row per program up to
-    32768: about 64 elements a thread for RMSNorm; LayerNorm 4 warps (two programs an SM) up to
-    16384 (97-99%; 8 or 16 warps: 73-78%), 32 warps at 32768 (96%). Wider rows loop over
-    16384-element chunks with 32 warps (a persistent grid measured no better), 8192-element
+    32768, 32 elements a thread as well: RMSNorm 98.4-99.7% at 5120-32768 with or without the
+    statistics (96.6 at 28672), LayerNorm 98-99% at 8192 / 16384, 95-97 at 5120 / 12288 (64 or
+    128 elements a thread, as chosen before: RMSNorm 78-94% with the statistics stored at
+    12288-32768, LayerNorm 92-93% at 5120 / 12288; tune-norm-h100-2026-11-24/15-*). Wider rows loop
+    over 16384-element chunks with 32 warps (a persistent grid measured no better), 8192-element
     ones for 2-byte rows up to FWD_BLOCKED_HALF_CHUNK_MAX.
 
     Too few rows of 1K-8K elements to fill the GPU, or M <= 256 (decode sizes): latency, not
@@ -784,7 +786,7 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
         num_warps = max(4, block_m * block_n // 1024)
     else:
         block_m = 1
-        num_warps = max(4, block_n // 2048) if is_rms else (32 if block_n == 32768 else 4)
+        num_warps = block_n // 1024
     if 1024 <= block_n <= 8192 and sms and (cdiv(m, block_m) < sms or m <= 256):
         return 1, block_n, max(4, min(8, block_n // 512)) if is_rms else 4, True, True
     return block_m, block_n, num_warps, True, False

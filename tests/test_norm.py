@@ -172,6 +172,18 @@ def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     check_norm(is_rms, x, w, b)
 
 
+@pytest.mark.parametrize("n", [20480, 28672, 32768])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_layer_norm_split_below_one_pass_max(dtype, n, device):
+    """LayerNorm rows of 16385-32768 take the split forward (on a GPU; the one-pass kernel under
+    the interpreter), but 2-byte rows that fill their power of two. 20480 and 28672 do not fill
+    whole 8192-column slices: 2-byte rows take 4096-column ones, fp32 rows a partly masked last."""
+    cfg = norm_ops._fwd_split_config(False, torch.empty(0, dtype=dtype).element_size(), False, n)
+    assert (cfg is None) == (dtype == torch.bfloat16 and n == 32768)
+    x = torch.randn(3, n, device=device, dtype=dtype) + 3.0
+    check_norm(False, x, torch.randn(n, device=device), torch.randn(n, device=device))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_layer_norm_offset_rows(dtype, device):
     """One-pass LayerNorm (rows that fit in registers) on rows whose mean is far from their

@@ -8,9 +8,9 @@ Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulat
 Paths by row width:
   - one pass: the whole row (several rows for small N) sits in registers; x is read once.
   - split: rows wider than ``BWD_ONE_PASS_MAX`` (backward) or ``FWD_ONE_PASS_MAX`` (forward,
-    the cases of ``FWD_SPLIT``) are shared by several programs, each holding a slice in
-    registers, that exchange partial row sums through global memory; x (and dy) are read once
-    from memory (the forward reads its slice a second time, from L2).
+    the cases of ``FWD_SPLIT``; LayerNorm from 16385) are shared by several programs, each
+    holding a slice in registers, that exchange partial row sums through global memory; x (and
+    dy) are read once from memory (the forward reads its slice a second time, from L2).
   - blocked: other forwards of rows wider than ``FWD_ONE_PASS_MAX`` loop over column chunks,
     reading the row a second time right after the first, from L2; a backward that cannot be
     split computes the two row dot products in a first kernel, then dx and dW per chunk.
@@ -83,14 +83,18 @@ BWD_DECODE_PROGRAMS = 64
 # fp16 96.8-97.2, fp32 97.7-99.0; 2-byte add + RMSNorm 96.7-98.1, fp32 96.8-99.3. 2-byte RMSNorm
 # rows up to 40960 are as fast in the blocked loop with 8192-element chunks (96.4 / 96.1 at 36864
 # / 40960 against 95.8 / 96.1 split; at 45056 94.6 against 96.2), fp32 add + RMSNorm up to 45056
-# (99.1 / 97.5 at 36864 / 40960 against 95.3 / 95.1).
+# (99.1 / 97.5 at 36864 / 40960 against 95.3 / 95.1). LayerNorm splits from 16385, narrower than
+# FWD_ONE_PASS_MAX, where the one-pass row's 32 warps leave part of a 32768 tile masked or hold
+# fp32 (tune-norm-h100-2026-11-24/15-*): bf16 95.5 / 95.8 / 95.7 at 20480 / 24576 / 28672 (one
+# pass: 80.8 / 89.7 / 94.0), fp32 95.2 / 98.6 / 97.2 / 98.8 at 20480 ... 32768 (95.1 / 93.5 / 92.9 /
+# 91.7); a 2-byte row that fills its power of two stays in one pass (bf16 97.1 against 96.1 at 32768).
 FWD_SPLIT = {
     (True, 2, False): (8192, 8, 2, 45056),
     (True, 2, True): (8192, 4, 2, 0),
     (True, 4, False): (8192, 8, 1, 0),
     (True, 4, True): (8192, 8, 1, 49152),
-    (False, 2, False): (8192, 8, 2, 0),
-    (False, 4, False): (8192, 8, 1, 0),
+    (False, 2, False): (8192, 8, 2, 16385),
+    (False, 4, False): (8192, 8, 1, 16385),
 }
 # Rows that do not fill whole slices of the entry's columns: 2-byte rows then split into
 # 4096-column slices, 4 warps, 4 programs an SM. H100, bf16, 256 MiB, % of copy
@@ -855,10 +859,13 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
 
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
     """(columns per program, num_warps, programs per SM) of the split forward of rows of ``n``
-    (wider than FWD_ONE_PASS_MAX), or None: the blocked loop."""
+    (from the entry's narrowest row split; 0: wider than FWD_ONE_PASS_MAX), or None: the one-pass
+    kernel or the blocked loop."""
     key = (is_rms, elem_size, has_residual)
     cfg = FWD_SPLIT.get(key)
-    if cfg is None or n < cfg[3]:
+    if cfg is None or n < (cfg[3] or FWD_ONE_PASS_MAX + 1):
+        return None
+    if elem_size == 2 and n <= FWD_ONE_PASS_MAX and n == next_pow2(n):
         return None
     return FWD_SPLIT_RAGGED[key] if n % cfg[0] and key in FWD_SPLIT_RAGGED else cfg[:3]
 
@@ -884,8 +891,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    split_cfg = (_fwd_split_config(is_rms, x.element_size(), residual is not None, n)
-                 if n > FWD_ONE_PASS_MAX and heads == 1 else None)
+    split_cfg = _fwd_split_config(is_rms, x.element_size(), residual is not None, n) if heads == 1 else None
     split = split_grid(n, m, split_cfg[0], dev, split_cfg[2]) if split_cfg is not None else None
     if split is not None:
         parts, groups = split

@@ -174,14 +174,16 @@ def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
 
 @pytest.mark.parametrize("n", [20480, 28672, 32768])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_layer_norm_split_below_one_pass_max(dtype, n, device):
-    """LayerNorm rows of 16385-32768 take the split forward (on a GPU; the one-pass kernel under
-    the interpreter), but 2-byte rows that fill their power of two. 20480 and 28672 do not fill
-    whole 8192-column slices: 2-byte rows take 4096-column ones, fp32 rows a partly masked last."""
-    cfg = norm_ops._fwd_split_config(False, torch.empty(0, dtype=dtype).element_size(), False, n)
-    assert (cfg is None) == (dtype == torch.bfloat16 and n == 32768)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_split_below_one_pass_max(is_rms, dtype, n, device):
+    """Rows of 16385-32768 that take the split forward (on a GPU; the one-pass kernel under the
+    interpreter): 2-byte rows that do not fill their power of two, every fp32 LayerNorm row.
+    20480 and 28672 do not fill whole 8192-column slices: 2-byte rows take 4096-column ones,
+    fp32 rows a partly masked last."""
+    cfg = norm_ops._fwd_split_config(is_rms, torch.empty(0, dtype=dtype).element_size(), False, n)
+    assert (cfg is None) == (n == 32768 and dtype == torch.bfloat16 or is_rms and dtype == torch.float32)
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0
-    check_norm(False, x, torch.randn(n, device=device), torch.randn(n, device=device))
+    check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -489,16 +491,16 @@ def test_heuristics_cover_every_width(n):
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
                 assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
                 assert bm * bn <= 65536
-    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward (2-byte RMSNorm from 45056), the blocked loop's chunk
+    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
-        assert (norm_ops._fwd_split_config(True, 2, False, n) is None) == (n < 45056)
+        assert norm_ops._fwd_split_config(True, 2, False, n) is not None
         for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
             cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
             assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
                                    and _common.resident_registers(cfg[1], cfg[2]) >= 128)
         # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
         assert norm_ops._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert n < 45056 or norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
+        assert norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
         assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
         assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
 

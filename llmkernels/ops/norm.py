@@ -8,7 +8,7 @@ Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulat
 Paths by row width:
   - one pass: the whole row (several rows for small N) sits in registers; x is read once.
   - split: rows wider than ``BWD_ONE_PASS_MAX`` (backward) or ``FWD_ONE_PASS_MAX`` (forward,
-    the cases of ``FWD_SPLIT``; LayerNorm from 16385) are shared by several programs, each
+    the cases of ``FWD_SPLIT``; some from 16385) are shared by several programs, each
     holding a slice in registers, that exchange partial row sums through global memory; x (and
     dy) are read once from memory (the forward reads its slice a second time, from L2).
   - blocked: other forwards of rows wider than ``FWD_ONE_PASS_MAX`` loop over column chunks,
@@ -80,16 +80,17 @@ BWD_DECODE_PROGRAMS = 64
 # H100, 256 MiB, % of copy (benchmarks/results/tune-norm-h100-2026-11-24/13-*), N = 36864 / 45056 /
 # 65536 / 131072: bf16 LayerNorm 95.7 / 95.8 / 96.1 / 95.5 (the read after the wait: 92.5 / 92.2 /
 # 94.4 / 94.1), fp16 96.2-96.4, fp32 97.1-99.0; bf16 RMSNorm 96.2 (blocked) / 96.2 / 96.6 / 95.8,
-# fp16 96.8-97.2, fp32 97.7-99.0; 2-byte add + RMSNorm 96.7-98.1, fp32 96.8-99.3. 2-byte RMSNorm
-# rows up to 40960 are as fast in the blocked loop with 8192-element chunks (96.4 / 96.1 at 36864
-# / 40960 against 95.8 / 96.1 split; at 45056 94.6 against 96.2), fp32 add + RMSNorm up to 45056
-# (99.1 / 97.5 at 36864 / 40960 against 95.3 / 95.1). LayerNorm splits from 16385, narrower than
-# FWD_ONE_PASS_MAX, where the one-pass row's 32 warps leave part of a 32768 tile masked or hold
-# fp32 (tune-norm-h100-2026-11-24/15-*): bf16 95.5 / 95.8 / 95.7 at 20480 / 24576 / 28672 (one
-# pass: 80.8 / 89.7 / 94.0), fp32 95.2 / 98.6 / 97.2 / 98.8 at 20480 ... 32768 (95.1 / 93.5 / 92.9 /
-# 91.7); a 2-byte row that fills its power of two stays in one pass (bf16 97.1 against 96.1 at 32768).
+# fp16 96.8-97.2, fp32 97.7-99.0; 2-byte add + RMSNorm 96.7-98.1, fp32 96.8-99.3. fp32 add +
+# RMSNorm rows up to 45056 are faster in the blocked loop (99.1 / 97.5 at 36864 / 40960 against
+# 95.3 / 95.1; 2-byte RMSNorm there: 96.4 / 96.1 blocked, 95.8 / 96.1 split). RMSNorm and LayerNorm
+# split from 16385, narrower than FWD_ONE_PASS_MAX, where the one-pass row's 32 warps leave part
+# of a 32768 tile masked or hold fp32 (tune-norm-h100-2026-11-24/15-*, 16-*): bf16 LayerNorm 95.5 /
+# 95.8 / 95.7 at 20480 / 24576 / 28672 (one pass: 80.8 / 89.7 / 94.0), RMSNorm 96.1 / 96.2 / 96.1
+# (83.7 / 93.2 / 95.8); fp32 LayerNorm 95.2 / 98.6 / 97.2 / 98.8 at 20480 ... 32768 (95.1 / 93.5 /
+# 92.9 / 91.7); a 2-byte row that fills its power of two stays in one pass (bf16 LayerNorm 97.1
+# against 96.1 at 32768, RMSNorm 98.4).
 FWD_SPLIT = {
-    (True, 2, False): (8192, 8, 2, 45056),
+    (True, 2, False): (8192, 8, 2, 16385),
     (True, 2, True): (8192, 4, 2, 0),
     (True, 4, False): (8192, 8, 1, 0),
     (True, 4, True): (8192, 8, 1, 49152),

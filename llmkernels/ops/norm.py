@@ -73,7 +73,8 @@ BWD_DECODE_PROGRAMS = 64
 # The forward of rows wider than FWD_ONE_PASS_MAX likewise (``_norm_fwd_split_kernel``: the
 # exchange a row ahead, each slice read again from L2 for y, that read issued before the wait on
 # the siblings' sums), where measured faster than the blocked loop: (RMSNorm?, bytes per element,
-# residual?) -> (columns per program, num_warps, programs per SM, narrowest row split). Two-byte
+# residual?) -> (columns per program, num_warps, programs per SM, narrowest row split, 0: wider
+# than FWD_ONE_PASS_MAX; a 2-byte row that fills its power of two stays in one pass). Two-byte
 # rows run two programs an SM: the loads of two 16 KB slices in flight (one is too little to cover
 # the latency). LayerNorm's two sums go through one reduction into one slot (``publish_pair``) and
 # its weight and bias are kept packed (``keep_packed``: 121 registers at 8 warps, no spill).
@@ -861,7 +862,7 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
     """(columns per program, num_warps, programs per SM) of the split forward of rows of ``n``
     (from the entry's narrowest row split; 0: wider than FWD_ONE_PASS_MAX), or None: the one-pass
-    kernel or the blocked loop."""
+    kernel (also for a 2-byte row that fills its power of two) or the blocked loop."""
     key = (is_rms, elem_size, has_residual)
     cfg = FWD_SPLIT.get(key)
     if cfg is None or n < (cfg[3] or FWD_ONE_PASS_MAX + 1):

@@ -137,6 +137,19 @@ def _add_pair(a0, b0, a1, b1):
 
 
 @triton.jit
+def _sum_pair(a, b, AXIS: tl.constexpr):
+    """The sums of ``a`` and ``b`` along AXIS, in one reduction. (Triton's interpreter calls a
+    tl.reduce combine function element by element in Python: a 257 x 5120 LayerNorm took two
+    minutes in CI; there the two are summed by tl.sum, which it runs in NumPy.)"""
+    if INTERPRET_CONST:
+        sum_a = tl.sum(a, axis=AXIS)
+        sum_b = tl.sum(b, axis=AXIS)
+    else:
+        sum_a, sum_b = tl.reduce((a, b), AXIS, _add_pair)
+    return sum_a, sum_b
+
+
+@triton.jit
 def _load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     """The weight and bias tiles at ``w_offs`` (0.0 where absent), as stored. Loaded as full
     [BLOCK_M, BLOCK_N] tiles (rows repeat from L1): a broadcast [1, BLOCK_N] row measured 10-25%
@@ -217,7 +230,7 @@ def _norm_fwd_kernel(
             # cancel when |mean| >> std.
             shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
             xs = tl.where(mask, x - shift[:, None], 0.0)
-            sum_shifted, sum_sq = tl.reduce((xs, xs * xs), 1, _add_pair)
+            sum_shifted, sum_sq = _sum_pair(xs, xs * xs, 1)
             mean_shifted = sum_shifted / N
             mean = shift + mean_shifted
             rstd = tl.rsqrt(_shifted_var(mean_shifted, sum_sq / N) + eps)
@@ -368,7 +381,7 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.cons
         xs = x - shift
         if not EVEN:
             xs = tl.where(mask, xs, 0.0)
-        sum_sq, total = tl.reduce((xs * xs, xs), 0, _add_pair)
+        sum_sq, total = _sum_pair(xs * xs, xs, 0)
         publish_pair(SLOT, sum_sq, total)
 
 
@@ -537,11 +550,8 @@ def _norm_bwd_kernel(
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
-        elif not IS_RMS and not INTERPRET_CONST:
-            # LayerNorm's two row sums in one reduction. (Triton's interpreter calls a tl.reduce
-            # combine function element by element in Python: a 257 x 4096 LayerNorm backward took
-            # minutes in CI; there the pair is summed by two tl.sum, which it runs in NumPy.)
-            sum_xw, sum_w = tl.reduce((x_hat * wdy, wdy), 1, _add_pair)
+        elif not IS_RMS:  # LayerNorm's two row sums in one reduction
+            sum_xw, sum_w = _sum_pair(x_hat * wdy, wdy, 1)
             mean_xw, mean_w = sum_xw / N, sum_w / N
         else:  # (RMSNorm does not use mean_w)
             mean_xw = tl.sum(x_hat * wdy, axis=1) / N

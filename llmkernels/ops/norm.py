@@ -830,10 +830,10 @@ _BWD_TABLE_FP32 = {
     False: {2048: (4096, 16, 1, 1), 4096: (8192, 8, 1, 1), 8192: (8192, 8, 1, 1)},
 }
 
-# 2-byte LayerNorm rows between two powers of two (2560, 5120: the next power's tile, partly
-# masked): tiles of 8192 elements, 8 warps, four pipelined stages, 94.5 / 94.7% of copy against
-# 85 / 85 with the power of two's entry (tune-norm-h100-2026-11-24/15-*).
-_BWD_LN_RAGGED = (8192, 8, 1, 4)
+# 2-byte rows between two powers of two (the next power's tile partly masked), where their sweep
+# found better: LayerNorm 94.5 / 94.7% of copy at 2560 / 5120 against 85 / 85 with the power of
+# two's entry (tune-norm-h100-2026-11-24/15-*).
+_BWD_TABLE_RAGGED = {True: {}, False: {4096: (8192, 8, 1, 4), 8192: (8192, 8, 1, 4)}}
 
 
 def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2):
@@ -856,9 +856,8 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     block_n = max(16, next_pow2(n))
     width = max(1024, block_n)
     fp32_cfg = _BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None
-    tile, num_warps, per_sm, prefetch = fp32_cfg or _BWD_TABLE[is_rms][width]
-    if not is_rms and elem_size == 2 and n < block_n and width in (4096, 8192):
-        tile, num_warps, per_sm, prefetch = _BWD_LN_RAGGED
+    ragged_cfg = _BWD_TABLE_RAGGED[is_rms].get(width) if elem_size == 2 and n < block_n else None
+    tile, num_warps, per_sm, prefetch = fp32_cfg or ragged_cfg or _BWD_TABLE[is_rms][width]
     block_m = min(max(1, tile // block_n), next_pow2(m))
     if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
         max_tile = 16384 if is_rms else 8192

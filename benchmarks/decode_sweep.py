@@ -26,13 +26,13 @@ def time_us(fn) -> float:
 
 
 def fwd_candidates(m):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, weight loaded with the row)."""
-    return [(bm, N, nw, True, early) for bm, nw, early in itertools.product([1, 2, 4], [2, 4, 8, 16], [False, True])
+    """(BLOCK_M, BLOCK_N, warps, one_pass, weight loaded with the row, no tail)."""
+    return [(bm, N, nw, True, early, 0) for bm, nw, early in itertools.product([1, 2, 4], [2, 4, 8, 16], [False, True])
             if bm <= m]
 
 
 def bwd_candidates(m, is_rms):
-    """(BLOCK_M, BLOCK_N, warps, one_pass, programs per SM, most programs, prefetch): each program
+    """(BLOCK_M, BLOCK_N, warps, one_pass, programs per SM, most programs, prefetch, no tail): each program
     takes BLOCK_M rows a tile, at most ``most programs`` of them (one: no partials to sum, dW
     written directly), no prefetch."""
     max_tile = 16384 if is_rms else 8192
@@ -40,7 +40,7 @@ def bwd_candidates(m, is_rms):
     for bm, nw, progs in itertools.product([1, 2, 4, 8, 16], [4, 8, 16], [1, 2, 4, 8, 16, 32, 64]):
         tiles = triton.cdiv(m, bm)
         if bm <= triton.next_power_of_2(m) and bm * N <= max_tile and progs <= tiles and nw * 32 * 4 <= bm * N:
-            cands.append((bm, N, nw, True, 1, progs, 0))
+            cands.append((bm, N, nw, True, 1, progs, 0, 0))
     return cands
 
 

@@ -120,9 +120,9 @@ def main():
                 for cfg in (fwd_candidates(n) if mode == "fwd" else bwd_candidates(n)):
                     # early weight load (fwd) and the program cap (bwd) stay off at these sizes
                     if mode == "fwd":
-                        N_._fwd_config = lambda *_, cfg=cfg: cfg + (False,)
+                        N_._fwd_config = lambda *_, cfg=cfg: cfg + (False, 0)
                     else:
-                        N_._bwd_config = lambda *_, cfg=cfg: cfg[:5] + (0, cfg[5])
+                        N_._bwd_config = lambda *_, cfg=cfg: cfg[:5] + (0, cfg[5], 0)
                     rec = time_case(n, DTYPES[dname], args.op == "rms", False, mode, records, ceiling, "sweep", cfg)
                     if rec and (best is None or rec["gbps"] > best["gbps"]):
                         best = rec

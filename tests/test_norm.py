@@ -186,6 +186,36 @@ def test_split_below_one_pass_max(is_rms, dtype, n, device):
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device))
 
 
+@pytest.mark.parametrize("n", [4353, 5120, 9216, 10240, 12288])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_forward_tail(is_rms, dtype, n, device):
+    """Rows of 4353-6144 and 8705-12288 columns: the one-pass forward takes half their power of
+    two whole and the rest as a masked power-of-two tail (300 rows: the bandwidth path, not the
+    decode rule). The interpreter runs the forced case below."""
+    cfg = norm_ops._fwd_config(n, 300, is_rms, 132, torch.empty(0, dtype=dtype).element_size())
+    assert cfg[1] < n <= cfg[1] + cfg[5]
+    if INTERPRETED:
+        pytest.skip("300 rows of these widths take minutes under the interpreter")
+    x = torch.randn(300, n, device=device, dtype=dtype) + 3.0
+    w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
+    check_norm(is_rms, x, w, b)
+
+
+@pytest.mark.parametrize("block_m", [1, 2])
+@pytest.mark.parametrize("n", [80, 96])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_forward_tail_forced(is_rms, n, block_m, device, monkeypatch):
+    """The forward's tail at a small width: 64 columns whole and a tail of 32 (the last 16 masked
+    at 80), one or two rows a tile (5 rows: the last tile half empty), with and without the
+    residual add."""
+    monkeypatch.setattr(norm_ops, "_fwd_config", lambda *_: (block_m, 64, 4, True, False, 32))
+    x = torch.randn(5, n, device=device) + 3.0
+    w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
+    check_norm(is_rms, x, w, b)
+    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_layer_norm_offset_rows(dtype, device):
     """One-pass LayerNorm (rows that fit in registers) on rows whose mean is far from their
@@ -241,17 +271,71 @@ def test_blocked_path_forced(is_rms, device, monkeypatch):
     check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
 
 
+@pytest.mark.parametrize("entry", [(key, width) for key, widths in norm_ops._BWD_TABLE_RAGGED.items() for width in widths],
+                         ids=lambda e: f"{'rms' if e[0][0] else 'layer'}-{e[0][1]}B-{e[1]}")
+def test_backward_ragged_entries(entry, device):
+    """Each entry for rows between two powers of two: taken for the widest row it covers, not
+    for the power of two itself; on a GPU, that row's backward (300 rows: the bandwidth path),
+    with the residual add for RMSNorm."""
+    (is_rms, elem_size), width = entry
+    cfg, widest = norm_ops._BWD_TABLE_RAGGED[is_rms, elem_size][width]
+    n = width * min(widest, 7) // 8
+    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_ops._bwd_config(n, 300, is_rms, 132, elem_size)
+    assert (bm * bn, warps, per_sm, prefetch) == cfg and bn == width
+    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_ops._bwd_config(width, 300, is_rms, 132, elem_size)
+    power_cfg = (norm_ops._BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None) or (
+        norm_ops._BWD_TABLE[is_rms][width])
+    assert (bm * bn, warps, per_sm, prefetch) == power_cfg
+    if INTERPRETED:
+        pytest.skip("300 rows of thousands of columns take minutes under the interpreter")
+    dtype = torch.float32 if elem_size == 4 else torch.bfloat16
+    x = torch.randn(300, n, device=device, dtype=dtype) + 3.0
+    w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
+    check_norm(is_rms, x, w, b)
+    if is_rms:
+        check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
+
+
+@pytest.mark.parametrize("n", [8200, 10240, 12288])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_backward_tail(is_rms, n, device):
+    """2-byte rows of 8193-12288: the one-pass backward takes 8192 columns whole and a tail (of 8
+    columns at 8200), LayerNorm's as well (not its split backward); 300 rows (not the decode
+    rule). The interpreter runs the forced case (test_backward_tail_forced)."""
+    bm, bn, _, one_pass, _, max_programs, _, tail_n = norm_ops._bwd_config(n, 300, is_rms, 132, 2)
+    assert one_pass and bn == 8192 and bn < n <= bn + tail_n and not max_programs
+    if INTERPRETED:
+        pytest.skip("300 rows of these widths take minutes under the interpreter")
+    x = torch.randn(300, n, device=device, dtype=torch.bfloat16) + 3.0
+    w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
+    check_norm(is_rms, x, w, b)
+    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 3], ids=["load", "prefetch", "pipelined"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monkeypatch):
     """The one-pass backward with 2-row tiles, several a program and a last one half full (the
     prefetch then reads nothing past the last row), per-head weights and a residual too; loads
     in the loop, the next tile into registers, or the loop pipelined by Triton in 3 stages."""
-    cfg = (2, 128, 4, True, 1, 3, prefetch)  # 3 programs, 2 x 128 tiles
+    cfg = (2, 128, 4, True, 1, 3, prefetch, 0)  # 3 programs, 2 x 128 tiles
     monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: cfg)
     x = torch.randn(5, 3, 100, device=device, dtype=torch.bfloat16)
     check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
     check_norm(is_rms, x, torch.randn(3, 100, device=device), None, torch.randn_like(x), prenorm=True)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3], ids=["load", "prefetch", "pipelined"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_backward_tail_forced(is_rms, prefetch, device, monkeypatch):
+    """The one-pass backward with a tail: 64 columns whole and 32 more (the last 16 masked), 2-row
+    tiles, 3 programs, the last tile half full; loads in the loop, the next tile into registers,
+    or pipelined; with the residual's gradient too."""
+    monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (2, 64, 4, True, 1, 3, prefetch, 32))
+    x = torch.randn(5, 80, device=device) + 3.0
+    w, b = torch.randn(80, device=device), None if is_rms else torch.randn(80, device=device)
+    check_norm(is_rms, x, w, b)
+    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
@@ -268,7 +352,7 @@ def test_backward_decode_writes_dw_by_columns(is_rms, device, monkeypatch):
 
     monkeypatch.setattr(norm_ops, "launch", recording_launch)
     if INTERPRETED:
-        monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0))
+        monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0, 0))
         shapes = [(9, 300)]
     else:
         shapes = [(m, n) for n in (4096, 3000) for m in (1, 8, 37, 256)]
@@ -478,18 +562,20 @@ def test_split_backward_config_for_every_dtype():
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
         for sms in (0, 132):
-            bm, bn, warps, one_pass, early_w = norm_ops._fwd_config(n, m, is_rms, sms)
+            bm, bn, warps, one_pass, early_w, tail_n = norm_ops._fwd_config(n, m, is_rms, sms)
             assert not early_w or (one_pass and bm == 1 and sms > 0)
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-            assert one_pass == (bn >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
+            assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
+            assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and tail_n <= bn // 2)
             assert bm * bn <= 65536
             for elem_size in (2, 4):
-                bm, bn, warps, one_pass, per_sm, max_programs, prefetch = norm_ops._bwd_config(
+                bm, bn, warps, one_pass, per_sm, max_programs, prefetch, tail_n = norm_ops._bwd_config(
                     n, m, is_rms, sms, elem_size)
                 assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
                 assert not prefetch or (one_pass and not max_programs)
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-                assert one_pass == (bn >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
+                assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
+                assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and not max_programs)
                 assert bm * bn <= 65536
     if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
         narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
@@ -511,20 +597,20 @@ def test_decode_rules_are_the_measured_configs():
     row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
     M = 256, tiles of 2 at M = 5-16), 4 warps (8 for 4 rows); training sizes and an unknown SM
     count keep the bandwidth tables."""
-    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True)
-    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True)  # 256 tiles, yet decode
-    assert norm_ops._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True)
-    assert norm_ops._fwd_config(4096, 512, False, 132)[-1] is False
-    assert norm_ops._fwd_config(4096, 8, True, 0)[-1] is False
-    assert norm_ops._fwd_config(4096, 2**15, True, 132)[-1] is False
-    assert norm_ops._fwd_config(256, 8, True, 132)[-1] is False  # narrow rows: not measured
-    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0)
-    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0)
-    assert norm_ops._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0)
-    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0)
-    assert norm_ops._bwd_config(4096, 8, False, 132) == (2, 4096, 4, True, 1, 64, 0)
-    assert norm_ops._bwd_config(4096, 32, False, 132) == (1, 4096, 4, True, 1, 64, 0)
-    assert norm_ops._bwd_config(4096, 2**15, True, 132)[-2] == 0
+    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True, 0)
+    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True, 0)  # 256 tiles, yet decode
+    assert norm_ops._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True, 0)
+    assert norm_ops._fwd_config(4096, 512, False, 132)[4] is False
+    assert norm_ops._fwd_config(4096, 8, True, 0)[4] is False
+    assert norm_ops._fwd_config(4096, 2**15, True, 132)[4] is False
+    assert norm_ops._fwd_config(256, 8, True, 132)[4] is False  # narrow rows: not measured
+    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 8, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 32, False, 132) == (1, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_ops._bwd_config(4096, 2**15, True, 132)[5] == 0
 
 
 def test_cpu_without_interpreter_uses_reference():

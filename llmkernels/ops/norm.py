@@ -186,12 +186,15 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, EARLY_W: tl.constexpr,
+    TAIL_N: tl.constexpr = 0,
 ):
     """A tile of BLOCK_M rows a program (grid: cdiv(M, BLOCK_M)), whole in registers (ONE_PASS)
     or in BLOCK_N-column chunks read twice. EARLY_W (one-pass): the weight and bias are loaded
     with the row, not after its reduction, so that their latency overlaps. A one-pass tile is
     addressed from its first row's 64-bit offset plus 32-bit offsets within it (a one-row tile:
-    the columns alone; rows of a tile several rows apart keep 64-bit offsets)."""
+    the columns alone; rows of a tile several rows apart keep 64-bit offsets). TAIL_N (one-pass,
+    N > BLOCK_N): the columns past BLOCK_N as a second, masked tile of TAIL_N (a power of two), so
+    that a row of 5120 is 4096 + 1024 columns, not 8192 with 3072 masked."""
     # The norm's input dtype: the residual stream's when there is one.
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
     tile = tl.program_id(0)
@@ -206,23 +209,28 @@ def _norm_fwd_kernel(
     else:
         w_row = tl.zeros([BLOCK_M, 1], dtype=tl.int64)
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols < N)[None, :]
         row0 = tile.to(tl.int64) * BLOCK_M
         in_tile = tl.arange(0, BLOCK_M)[:, None]
         if BLOCK_M > 1:
             in_tile = in_tile.to(tl.int64)
-        x = tl.load(X + row0 * stride_x + (in_tile * stride_x + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-        if EARLY_W:
-            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-        if HAS_RES:
-            r = tl.load(RES + row0 * stride_res + (in_tile * stride_res + cols[None, :]), mask=mask, other=0.0)
-            h = (x + r.to(tl.float32)).to(in_ty)
-            tl.store(H + row0 * stride_h + (in_tile * stride_h + cols[None, :]), h, mask=mask)
-            x = h.to(tl.float32)
+        cols = tl.arange(0, BLOCK_N)
+        if TAIL_N:  # the first BLOCK_N columns are all there; the tail's are masked
+            mask = row_mask[:, None] & (cols < BLOCK_N)[None, :]
+            t_cols = BLOCK_N + tl.arange(0, TAIL_N)
+            t_mask = row_mask[:, None] & (t_cols < N)[None, :]
+        else:
+            mask = row_mask[:, None] & (cols < N)[None, :]
+        x, w, b = _fwd_tile_in(X, RES, H, W, B, row0, in_tile, w_row, cols, mask, stride_x, stride_res, stride_h,
+                               in_ty, HAS_RES, HAS_W, HAS_B, EARLY_W)
+        if TAIL_N:
+            t_x, t_w, t_b = _fwd_tile_in(X, RES, H, W, B, row0, in_tile, w_row, t_cols, t_mask, stride_x, stride_res,
+                                         stride_h, in_ty, HAS_RES, HAS_W, HAS_B, EARLY_W)
         if IS_RMS:
             mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+            sum_sq = tl.sum(x * x, axis=1)
+            if TAIL_N:
+                sum_sq += tl.sum(t_x * t_x, axis=1)
+            rstd = tl.rsqrt(sum_sq / N + eps)
         else:
             # Sum and sum of squares in one reduction (not the mean then the centred squares in
             # sequence, nor two reductions each with its own shared-memory exchange), shifted by
@@ -231,16 +239,24 @@ def _norm_fwd_kernel(
             shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
             xs = tl.where(mask, x - shift[:, None], 0.0)
             sum_shifted, sum_sq = _sum_pair(xs, xs * xs, 1)
+            if TAIL_N:
+                t_xs = tl.where(t_mask, t_x - shift[:, None], 0.0)
+                t_sum_shifted, t_sum_sq = _sum_pair(t_xs, t_xs * t_xs, 1)
+                sum_shifted += t_sum_shifted
+                sum_sq += t_sum_sq
             mean_shifted = sum_shifted / N
             mean = shift + mean_shifted
             rstd = tl.rsqrt(_shifted_var(mean_shifted, sum_sq / N) + eps)
             x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
+            if TAIL_N:
+                t_x = t_xs - mean_shifted[:, None]
         if STORE_STATS:
             _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)
-        if not EARLY_W:
-            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-        y = _scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
-        tl.store(Y + row0 * stride_y + (in_tile * stride_y + cols[None, :]), y.to(Y.dtype.element_ty), mask=mask)
+        _fwd_tile_out(Y, W, B, x, w, b, rstd, row0, in_tile, w_row, cols, mask, stride_y, weight_offset, in_ty,
+                      HAS_W, HAS_B, QUANTIZE, EARLY_W)
+        if TAIL_N:
+            _fwd_tile_out(Y, W, B, t_x, t_w, t_b, rstd, row0, in_tile, w_row, t_cols, t_mask, stride_y, weight_offset,
+                          in_ty, HAS_W, HAS_B, QUANTIZE, EARLY_W)
     else:
         # Pass 1: sum and sum of squares, shifted by the row's first element so that the
         # LayerNorm variance does not cancel when |mean| >> std.
@@ -288,6 +304,36 @@ def _norm_fwd_kernel(
             y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
                              QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_tile_in(X, RES, H, W, B, row0, in_tile, w_row, cols, mask, stride_x, stride_res, stride_h,
+                 in_ty: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 EARLY_W: tl.constexpr):
+    """A one-pass tile's columns ``cols``: x in fp32 (x + residual, stored to H, with a residual),
+    and with EARLY_W the weight and bias (else 0.0: loaded by ``_fwd_tile_out``)."""
+    x = tl.load(X + row0 * stride_x + (in_tile * stride_x + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
+    w = 0.0
+    b = 0.0
+    if EARLY_W:
+        w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+    if HAS_RES:
+        r = tl.load(RES + row0 * stride_res + (in_tile * stride_res + cols[None, :]), mask=mask, other=0.0)
+        h = (x + r.to(tl.float32)).to(in_ty)
+        tl.store(H + row0 * stride_h + (in_tile * stride_h + cols[None, :]), h, mask=mask)
+        x = h.to(tl.float32)
+    return x, w, b
+
+
+@triton.jit
+def _fwd_tile_out(Y, W, B, x_centred, w, b, rstd, row0, in_tile, w_row, cols, mask, stride_y, weight_offset,
+                  in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr,
+                  EARLY_W: tl.constexpr):
+    """y of a one-pass tile's columns ``cols`` from x - mean (x for RMSNorm) and the rows' rstd."""
+    if not EARLY_W:
+        w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+    y = _scale_shift(x_centred * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    tl.store(Y + row0 * stride_y + (in_tile * stride_y + cols[None, :]), y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -501,7 +547,7 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-    DW_COLS: tl.constexpr, DW_ROWS: tl.constexpr,
+    DW_COLS: tl.constexpr, DW_ROWS: tl.constexpr, TAIL_N: tl.constexpr = 0,
 ):
     """dx (and dresidual), and this program's partial dW/dB over the rows it owns; with DW_COLS
     (one head and column chunk: decode sizes), instead of partials, dW/dB themselves (DW_PART /
@@ -517,63 +563,131 @@ def _norm_bwd_kernel(
     shared memory k - 1 tiles ahead (no registers held for them); 0: neither.
     The weight is loaded again for every tile (from L1, kept there with ``evict_last``) rather
     than held across the loop: its registers are what the 16384-column tile was spilling.
+    TAIL_N (one column chunk, N > BLOCK_N): the columns past BLOCK_N as a second, masked tile of
+    TAIL_N columns with its own loads and dW / dB accumulators (10240 = 8192 + 2048).
     """
     prog = tl.program_id(0)
     n_progs = tl.num_programs(0)
     head = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    if TAIL_N:  # (one column chunk) the first BLOCK_N columns are all there; the tail's are masked
+        col_mask = cols < BLOCK_N
+        t_cols = BLOCK_N + tl.arange(0, TAIL_N)
+        t_col_mask = t_cols < N
+        t_dw_acc = tl.zeros([BLOCK_M, TAIL_N], dtype=tl.float32)
+        t_db_acc = tl.zeros([BLOCK_M, TAIL_N], dtype=tl.float32)
+    else:
+        col_mask = cols < N
     in_ty = X.dtype.element_ty
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PREFETCH == 1:
         x_next, dy_next = _tile_load(X, DY, prog, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy,
                                      BLOCK_M)
+        if TAIL_N:
+            t_x_next, t_dy_next = _tile_load(X, DY, prog, rows_per_head, HEADS, head, t_cols, t_col_mask, stride_x,
+                                             stride_dy, BLOCK_M)
     for tile in tl.range(prog, tl.cdiv(rows_per_head, BLOCK_M), n_progs, num_stages=max(PREFETCH, 1)):
         if PREFETCH == 1:
             x, dy = x_next, dy_next
             x_next, dy_next = _tile_load(X, DY, tile + n_progs, rows_per_head, HEADS, head, cols, col_mask,
                                          stride_x, stride_dy, BLOCK_M)
+            if TAIL_N:
+                t_x, t_dy = t_x_next, t_dy_next
+                t_x_next, t_dy_next = _tile_load(X, DY, tile + n_progs, rows_per_head, HEADS, head, t_cols,
+                                                 t_col_mask, stride_x, stride_dy, BLOCK_M)
         else:
             x, dy = _tile_load(X, DY, tile, rows_per_head, HEADS, head, cols, col_mask, stride_x, stride_dy, BLOCK_M)
-        x, dy = x.to(tl.float32), dy.to(tl.float32)
-        w = 0.0  # unused without a weight
-        if HAS_W:
-            w = tl.load(W + head * N + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-            w = w.to(tl.float32) + weight_offset
+            if TAIL_N:
+                t_x, t_dy = _tile_load(X, DY, tile, rows_per_head, HEADS, head, t_cols, t_col_mask, stride_x,
+                                       stride_dy, BLOCK_M)
+        x, dy, w = _bwd_tile_in(x, dy, W, head, N, cols, col_mask, weight_offset, HAS_W)
+        if TAIL_N:
+            t_x, t_dy, t_w = _bwd_tile_in(t_x, t_dy, W, head, N, t_cols, t_col_mask, weight_offset, HAS_W)
         i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = i < rows_per_head
         rows = i.to(tl.int64) * HEADS + head
-        mask = row_mask[:, None] & col_mask[None, :]
-        x_hat, rstd = _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
-        wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+        x_hat, wdy, rstd, mask, dw_acc, db_acc = _bwd_tile_terms(
+            x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_acc, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+        if TAIL_N:
+            t_x_hat, t_wdy, _, t_mask, t_dw_acc, t_db_acc = _bwd_tile_terms(
+                t_x, t_dy, t_w, MEAN, RSTD, rows, row_mask, t_col_mask, t_dw_acc, t_db_acc, in_ty, IS_RMS, HAS_W,
+                HAS_B, QUANTIZE)
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
-        elif not IS_RMS:  # LayerNorm's two row sums in one reduction
+        elif not IS_RMS:  # LayerNorm's two row sums in one reduction (a tail's in another)
             sum_xw, sum_w = _sum_pair(x_hat * wdy, wdy, 1)
+            if TAIL_N:
+                t_sum_xw, t_sum_w = _sum_pair(t_x_hat * t_wdy, t_wdy, 1)
+                sum_xw += t_sum_xw
+                sum_w += t_sum_w
             mean_xw, mean_w = sum_xw / N, sum_w / N
         else:  # (RMSNorm does not use mean_w)
-            mean_xw = tl.sum(x_hat * wdy, axis=1) / N
+            sum_xw = tl.sum(x_hat * wdy, axis=1)
+            if TAIL_N:
+                sum_xw += tl.sum(t_x_hat * t_wdy, axis=1)
+            mean_xw = sum_xw / N
             mean_w = tl.sum(wdy, axis=1) / N
-        if IS_RMS:
-            dx = (wdy - x_hat * mean_xw[:, None]) * rstd[:, None]
-        else:
-            dx = (wdy - x_hat * mean_xw[:, None] - mean_w[:, None]) * rstd[:, None]
-        if HAS_DH:
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
+        _bwd_tile_dx(x_hat, wdy, rstd, mean_xw, mean_w, DH, DX, DRES, rows, cols, mask, stride_dh, stride_dx,
+                     stride_dres, IS_RMS, HAS_DH, HAS_DRES)
+        if TAIL_N:
+            _bwd_tile_dx(t_x_hat, t_wdy, rstd, mean_xw, mean_w, DH, DX, DRES, rows, t_cols, t_mask, stride_dh,
+                         stride_dx, stride_dres, IS_RMS, HAS_DH, HAS_DRES)
     if DW_COLS:
         _dw_db_cols(X, DY, MEAN, RSTD, DW_PART, DB_PART, rows_per_head, N, stride_x, stride_dy,
                     prog * DW_COLS + tl.arange(0, DW_COLS), in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, DW_ROWS)
     else:
-        part = prog.to(tl.int64) * HEADS * N + head * N + cols
-        if HAS_W:
-            tl.store(DW_PART + part, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
-        if HAS_B:
-            tl.store(DB_PART + part, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
+        part = prog.to(tl.int64) * HEADS * N + head * N
+        _store_partials(DW_PART, DB_PART, part + cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
+        if TAIL_N:
+            _store_partials(DW_PART, DB_PART, part + t_cols, t_dw_acc, t_db_acc, t_col_mask, HAS_W, HAS_B)
+
+
+@triton.jit
+def _bwd_tile_in(x, dy, W, head, N, cols, col_mask, weight_offset, HAS_W: tl.constexpr):
+    """x and dy of a tile (as loaded) in fp32, and the weight (+ offset) of its columns ``cols``."""
+    x, dy = x.to(tl.float32), dy.to(tl.float32)
+    w = 0.0  # unused without a weight
+    if HAS_W:
+        w = tl.load(W + head * N + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+        w = w.to(tl.float32) + weight_offset
+    return x, dy, w
+
+
+@triton.jit
+def _bwd_tile_terms(x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_acc, in_ty: tl.constexpr,
+                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
+    """The one-pass backward on a tile's columns: x_hat, w * dy, the rows' rstd, the tile's mask
+    and the dW / dB accumulators with this tile added."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    x_hat, rstd = _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
+    wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    return x_hat, wdy, rstd, mask, dw_acc, db_acc
+
+
+@triton.jit
+def _bwd_tile_dx(x_hat, wdy, rstd, mean_xw, mean_w, DH, DX, DRES, rows, cols, mask, stride_dh, stride_dx, stride_dres,
+                 IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr):
+    """dx (+ dh) of a tile's columns ``cols``, stored to DX (and DRES)."""
+    if IS_RMS:
+        dx = (wdy - x_hat * mean_xw[:, None]) * rstd[:, None]
+    else:
+        dx = (wdy - x_hat * mean_xw[:, None] - mean_w[:, None]) * rstd[:, None]
+    if HAS_DH:
+        dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partials(DW_PART, DB_PART, offs, dw_acc, db_acc, col_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """A program's dW / dB partials (its accumulators summed over their rows) at ``offs``."""
+    if HAS_W:
+        tl.store(DW_PART + offs, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
+    if HAS_B:
+        tl.store(DB_PART + offs, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -768,18 +882,20 @@ def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr
 # --------------------------------------------------------------------------------------------
 # launch heuristics
 # --------------------------------------------------------------------------------------------
-def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, early_w) for the forward of M rows of N elements
-    of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no decode rule); early_w: the
-    weight loaded with the row.
+def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2, residual: bool = False):
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, early_w, tail_n) for the forward of M rows of N
+    elements of ``elem_size`` bytes (``residual``: with the residual add) on ``sms``
+    multiprocessors (0: unknown, no decode rule); early_w: the weight loaded with the row; tail_n:
+    0, or the power-of-two tile of the columns past BLOCK_N (``_norm_fwd_kernel``'s TAIL_N).
 
     H100 sweep (bf16, 256 MiB, statistics stored as in training; benchmarks/results/tune-norm-*):
     up to 4096 columns, tiles of 8192 (RMSNorm) or 4096 (LayerNorm) elements with 32 elements a
     thread, 98-99% of copy (16 warps on the same tiles: 72-88%). One row per program up to
     32768, 32 elements a thread as well: RMSNorm 98.4-99.7% at 5120-32768 with or without the
-    statistics (96.6 at 28672), LayerNorm 98-99% at 8192 / 16384, 95-97 at 5120 / 12288 (64 or
-    128 elements a thread, as chosen before: RMSNorm 78-94% with the statistics stored at
-    12288-32768, LayerNorm 92-93% at 5120 / 12288; tune-norm-h100-2026-11-24/15-*). Wider rows loop
+    statistics (96.6 at 28672), LayerNorm 98-99% at 8192 / 16384, 95-97 at 5120 / 12288 before
+    the tail below (64 or 128 elements a thread, as chosen before: RMSNorm 78-94% with the
+    statistics stored at 12288-32768, LayerNorm 92-93% at 5120 / 12288;
+    tune-norm-h100-2026-11-24/15-*). Wider rows loop
     over 16384-element chunks with 32 warps (a persistent grid measured no better), 8192-element
     ones for 2-byte rows up to FWD_BLOCKED_HALF_CHUNK_MAX.
 
@@ -789,12 +905,22 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     benchmarks/results/decode-h100-2026-11-23/; LayerNorm at M = 256 3.0 vs 3.5 us,
     decode-h100-2026-11-24/6-*; LayerNorm's 4 warps, with its two sums in one reduction: 0.03-0.12
     us faster than 8 at M = 1-128, level at 256, decode-h100-2026-11-24/15-*).
+
+    A row of 4353-6144 or 8705-12288 elements without a residual is half its power of two (A)
+    whole and a power-of-two tail of at least A / 8, A // 1024 warps but no more than leave the
+    tail 8 elements a thread (fewer: LayerNorm 78% of copy at 4608 with 4 warps, 64 at 9216 with
+    8). H100, 256 MiB, statistics stored, % of copy (tune-norm-h100-2026-11-25/3-*, 8-*):
+    LayerNorm bf16 96.8 / 97.8 / 97.7 / 98.2 / 98.0 at 4608 / 5120 / 9216 / 10240 / 12288 (the power
+    of two, 32 elements a thread: 90.3 / 94.0 / 87.5 / 89.1 / 94.2), fp32 98.1 / 99.9 / 99.6 at
+    9216 / 10240 / 12288 (88.5 / 92.3 / 98.1); RMSNorm bf16 98.2 / 98.7 / 98.1 at 4608 / 9216 /
+    10240 (95.8 / 91.4 / 94.0); within 1% elsewhere. Not with a residual: 99-101% either way, up
+    to 1% less with the tail (fp32 24576: 92 against 101).
     """
     if n > FWD_ONE_PASS_MAX:
         block_m, chunk, num_warps, one_pass = FWD_BLOCKED
         if n <= FWD_BLOCKED_HALF_CHUNK_MAX and elem_size == 2:
             chunk //= 2
-        return block_m, chunk, num_warps, one_pass, False
+        return block_m, chunk, num_warps, one_pass, False, 0
     block_n = max(16, next_pow2(n))
     if block_n <= 4096:
         tile = 8192 if is_rms else 4096
@@ -804,8 +930,12 @@ def _fwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
         block_m = 1
         num_warps = block_n // 1024
     if 1024 <= block_n <= 8192 and sms and (cdiv(m, block_m) < sms or m <= 256):
-        return 1, block_n, max(4, min(8, block_n // 512)) if is_rms else 4, True, True
-    return block_m, block_n, num_warps, True, False
+        return 1, block_n, max(4, min(8, block_n // 512)) if is_rms else 4, True, True, 0
+    if 8192 <= block_n <= 16384 and not residual and block_n // 32 < n - block_n // 2 <= block_n // 4:
+        block_n //= 2
+        tail_n = next_pow2(n - block_n)
+        return 1, block_n, min(block_n // 1024, tail_n // 256), True, False, tail_n
+    return block_m, block_n, num_warps, True, False, 0
 
 
 # block_n -> (tile elements, num_warps, programs per SM, prefetch) of the one-pass backward;
@@ -830,20 +960,42 @@ _BWD_TABLE_FP32 = {
     False: {2048: (4096, 16, 1, 1), 4096: (8192, 8, 1, 1), 8192: (8192, 8, 1, 1)},
 }
 
-# 2-byte rows between two powers of two (the next power's tile partly masked), where their sweep
-# found better: LayerNorm 94.5 / 94.7% of copy at 2560 / 5120 against 85 / 85 with the power of
-# two's entry (tune-norm-h100-2026-11-24/15-*).
-_BWD_TABLE_RAGGED = {True: {}, False: {4096: (8192, 8, 1, 4), 8192: (8192, 8, 1, 4)}}
+# Rows between two powers of two (the next power's tile partly masked) where their sweeps found
+# other configurations better: (RMSNorm?, bytes per element) -> {power of two: (configuration, the
+# widest such row in eighths of that power)}. H100, 256 MiB, % of copy (tune-norm-h100-2026-11-24/15-*,
+# tune-norm-h100-2026-11-25/3-*), against the power of two's entry: 2-byte rows filling at most 5/8
+# of it, tiles of 8192, 8 warps, 4 stages: RMSNorm 96.6 / 95.4 / 96.2 / 94.6 at 2304 / 2560 / 4608 /
+# 5120 (85.3 / 89.5 / 86.6 / 90.3), add + RMSNorm 95.2 / 95.3 / 96.6 / 96.7 (86.0 / 89.9 / 96.5 /
+# 97.4), LayerNorm 94.7 / 94.5 / 86.8 / 94.5 (79.9 / 84.9 / 81.8 / 84.8); fuller rows lose 1-3% with
+# it (RMSNorm 93.7 / 93.9 / 93.7 against 94.1 / 95.6 / 96.4 at 3072 / 3584 / 7168). fp32 RMSNorm
+# every row between 2048 and 4096 in tiles of 4096, 8 warps, 2 programs an SM: 100.3 / 100.8 / 100.2
+# / 98.0 at 2304 / 2560 / 3072 / 3584 (92.7 / 95.4 / 98.6 / 99.0), add + RMSNorm 102.7 / 103.0 /
+# 100.4 / 100.5 (82.7 / 84.4 / 88.1 / 92.4); fp32 LayerNorm up to 5/8, 3 stages: 95.9 / 96.0 / 95.8
+# / 96.0 at 2304 / 2560 / 4608 / 5120 (88.9 / 92.7 / 89.3 / 93.0).
+_BWD_TABLE_RAGGED = {
+    (True, 2): {4096: ((8192, 8, 1, 4), 5), 8192: ((8192, 8, 1, 4), 5)},
+    (False, 2): {4096: ((8192, 8, 1, 4), 5), 8192: ((8192, 8, 1, 4), 5)},
+    (True, 4): {4096: ((4096, 8, 2, 1), 8)},
+    (False, 4): {4096: ((8192, 8, 1, 3), 5), 8192: ((8192, 8, 1, 3), 5)},
+}
 
 
 def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: int = 2):
-    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, most programs or 0, prefetch) for
-    the backward of inputs of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no
-    decode rule).
+    """(BLOCK_M, BLOCK_N, num_warps, one_pass, programs per SM, most programs or 0, prefetch, tail_n)
+    for the backward of inputs of ``elem_size`` bytes on ``sms`` multiprocessors (0: unknown, no
+    decode rule); tail_n: 0, or the power-of-two tile of the columns past BLOCK_N
+    (``_norm_bwd_kernel``'s TAIL_N).
 
     LayerNorm keeps a dB accumulator beside dW; a 16384-wide row then spills registers (fp32:
     14% of copy on H100, bf16: 51%), so LayerNorm rows over 8192 leave the one-pass kernel
-    (for the split one where it applies).
+    (for the split one where it applies), but for the tail below.
+
+    2-byte rows of 8193-12288 (not at decode sizes): 8192 columns whole and a power-of-two tail,
+    8 warps, 3 stages. H100, bf16, 256 MiB, % of copy at 9216 / 10240 / 12288
+    (tune-norm-h100-2026-11-25/6-*): RMSNorm 94.8 / 94.2 / 94.4 (a 16384 tile: 84.7 / 87.7 / 93.2),
+    add + RMSNorm 97.7 / 97.3 / 98.0 (86.7 / 90.0 / 94.2), LayerNorm 91.2 / 92.2 / 91.7 (the split
+    backward: 60.3 / 66.6 / 77.4). Narrower rows lose with a tail (2560 / 5120: 70-94 against
+    94-97 for their ragged entries).
 
     Few rows (decode sizes: M <= 4 * BWD_DECODE_PROGRAMS, no more tiles than persistent
     programs): at most BWD_DECODE_PROGRAMS programs, each taking its rows as one tile (two for
@@ -851,21 +1003,26 @@ def _bwd_config(n: int, m: int, is_rms: bool = True, sms: int = 0, elem_size: in
     M = 5-16 too), 4 warps up to 2 rows of 4096 (8 for 4: 0.3-0.5 us faster than 8 and 16 at
     M = 8-128 on H100).
     """
-    if n > BWD_ONE_PASS_MAX or (not is_rms and n > BWD_ONE_PASS_MAX // 2):
-        return BWD_BLOCKED + (0, 0)
+    head = BWD_ONE_PASS_MAX // 2
+    if elem_size == 2 and head < n <= head * 3 // 2 and not (sms and m <= 4 * BWD_DECODE_PROGRAMS):
+        return 1, head, 8, True, 1, 0, 3, next_pow2(n - head)
+    if n > BWD_ONE_PASS_MAX or (not is_rms and n > head):
+        return BWD_BLOCKED + (0, 0, 0)
     block_n = max(16, next_pow2(n))
     width = max(1024, block_n)
     fp32_cfg = _BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None
-    ragged_cfg = _BWD_TABLE_RAGGED[is_rms].get(width) if elem_size == 2 and n < block_n else None
-    tile, num_warps, per_sm, prefetch = fp32_cfg or ragged_cfg or _BWD_TABLE[is_rms][width]
+    ragged_cfg, widest = _BWD_TABLE_RAGGED.get((is_rms, elem_size), {}).get(width, (None, 0))
+    if n == block_n or n * 8 > widest * block_n:
+        ragged_cfg = None
+    tile, num_warps, per_sm, prefetch = ragged_cfg or fp32_cfg or _BWD_TABLE[is_rms][width]
     block_m = min(max(1, tile // block_n), next_pow2(m))
     if m <= 4 * BWD_DECODE_PROGRAMS and cdiv(m, block_m) <= sms * per_sm:
         max_tile = 16384 if is_rms else 8192
         block_m = min(max(1, max_tile // block_n), next_pow2(cdiv(m, BWD_DECODE_PROGRAMS)))
         if not is_rms and 4 < m <= 16:  # measured: LayerNorm 3.5 vs 4.3 us at M = 8, 4.9 vs 5.5 at 16
             block_m = min(2, max(1, max_tile // block_n))
-        return block_m, block_n, max(4, min(8, block_m * block_n // 2048)), True, per_sm, BWD_DECODE_PROGRAMS, 0
-    return block_m, block_n, num_warps, True, per_sm, 0, prefetch
+        return block_m, block_n, max(4, min(8, block_m * block_n // 2048)), True, per_sm, BWD_DECODE_PROGRAMS, 0, 0
+    return block_m, block_n, num_warps, True, per_sm, 0, prefetch, 0
 
 
 def _fwd_split_config(is_rms: bool, elem_size: int, has_residual: bool, n: int):
@@ -920,8 +1077,8 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
             num_warps=num_warps, maxnreg=resident_registers(num_warps, per_sm),
         )
         return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, early_w = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
-                                                                x.element_size())
+    block_m, block_n, num_warps, one_pass, early_w, tail_n = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
+                                                                        x.element_size(), residual is not None)
     launch(_norm_fwd_kernel, (cdiv(m, block_m),),
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
         y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
@@ -930,7 +1087,7 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
         eps, weight_offset,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         PER_HEAD=heads > 1, QUANTIZE=quantize, STORE_STATS=store_stats,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, EARLY_W=early_w, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, EARLY_W=early_w, TAIL_N=tail_n, num_warps=num_warps,
     )
     return y, h, mean, rstd
 
@@ -953,7 +1110,7 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         share = share_dres and res_dtype == x_dtype
         dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
     # The decode rule is measured for one weight row (heads == 1) only.
-    block_m, block_n, num_warps, one_pass, per_sm, max_programs, prefetch = _bwd_config(
+    block_m, block_n, num_warps, one_pass, per_sm, max_programs, prefetch, tail_n = _bwd_config(
         n, m, is_rms, persistent_programs(dev, 1) if heads == 1 else 0, xin.element_size())
     rows_per_head = m // heads
     # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
@@ -1015,9 +1172,9 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
             HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
             PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-            PREFETCH=fit_stages(prefetch, block_n * (block_m * row_bytes + (0 if weight is None else
-                                                                             weight.element_size())), dev),
-            DW_COLS=dw_cols, DW_ROWS=min(next_pow2(m), max(1, 4096 // dw_cols)) if dw_cols else 1,
+            PREFETCH=fit_stages(prefetch, (block_n + tail_n) * (block_m * row_bytes + (0 if weight is None else
+                                                                                        weight.element_size())), dev),
+            DW_COLS=dw_cols, DW_ROWS=min(next_pow2(m), max(1, 4096 // dw_cols)) if dw_cols else 1, TAIL_N=tail_n,
             num_warps=num_warps,
         )
     elif dw_part is not None or db_part is not None:

@@ -639,9 +639,9 @@ def _norm_bwd_kernel(
                     prog * DW_COLS + tl.arange(0, DW_COLS), in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, DW_ROWS)
     else:
         part = prog.to(tl.int64) * HEADS * N + head * N
-        _store_partials(DW_PART, DB_PART, part + cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
+        _store_col_sums(DW_PART, DB_PART, part + cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
         if TAIL_N:
-            _store_partials(DW_PART, DB_PART, part + t_cols, t_dw_acc, t_db_acc, t_col_mask, HAS_W, HAS_B)
+            _store_col_sums(DW_PART, DB_PART, part + t_cols, t_dw_acc, t_db_acc, t_col_mask, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -682,12 +682,13 @@ def _bwd_tile_dx(x_hat, wdy, rstd, mean_xw, mean_w, DH, DX, DRES, rows, cols, ma
 
 
 @triton.jit
-def _store_partials(DW_PART, DB_PART, offs, dw_acc, db_acc, col_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """A program's dW / dB partials (its accumulators summed over their rows) at ``offs``."""
+def _store_col_sums(DW, DB, offs, acc_w, acc_b, col_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """dW / dB (or a program's partials of them) at ``offs``: the accumulators summed over their
+    rows (axis 0), in DW's / DB's dtypes."""
     if HAS_W:
-        tl.store(DW_PART + offs, tl.sum(dw_acc, axis=0).to(DW_PART.dtype.element_ty), mask=col_mask)
+        tl.store(DW + offs, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_B:
-        tl.store(DB_PART + offs, tl.sum(db_acc, axis=0).to(DB_PART.dtype.element_ty), mask=col_mask)
+        tl.store(DB + offs, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -706,10 +707,7 @@ def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_t
         row_mask = rows < M
         x_hat, _ = _tile_x_hat(x, rows, row_mask, row_mask[:, None] & col_mask[None, :], MEAN, RSTD, IS_RMS)
         _, dw_acc, db_acc = _dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
-    if HAS_W:
-        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    if HAS_B:
-        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+    _store_col_sums(DW, DB, cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -873,10 +871,7 @@ def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr
             acc_w += tl.load(DW_PART + offs, mask=mask, other=0.0)
         if HAS_B:
             acc_b += tl.load(DB_PART + offs, mask=mask, other=0.0)
-    if HAS_W:
-        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    if HAS_B:
-        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+    _store_col_sums(DW, DB, cols, acc_w, acc_b, col_mask, HAS_W, HAS_B)
 
 
 # --------------------------------------------------------------------------------------------

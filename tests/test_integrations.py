@@ -11,6 +11,7 @@ import llmkernels as lk  # noqa: E402
 from llmkernels import hf  # noqa: E402
 
 from tests.conftest import DEVICE  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
 
 VOCAB, SEQ, ROWS, STEPS = 256, 16, 6, 3
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -120,3 +121,56 @@ def test_sft_trainer(checkpoint, reference_losses, tmp_path):
     losses = run_sft_trainer(model, tmp_path, patch_after_load=True)
     assert hf._is_patched(model.model.norm.forward) and hf._is_patched(model.model.layers[0].mlp.forward)
     assert_same_losses(losses, reference_losses["SFTTrainer"])
+
+
+def _kernels_marks_llama_rmsnorm(kernels):
+    """transformers marks LlamaRMSNorm for ``kernelize`` only when it supports the installed
+    ``kernels``; otherwise mark it here as it would (kernels' own helper). Returns an undo."""
+    cls = transformers.models.llama.modeling_llama.LlamaRMSNorm
+    if hasattr(cls, "kernel_layer_name"):
+        return lambda: None
+    kernels.replace_kernel_forward_from_hub(cls, "RMSNorm")
+
+    def undo():
+        del cls.kernel_layer_name, cls.kernel_condition
+    return undo
+
+
+def _logits_loss_and_grads(model):
+    ids = torch.tensor(token_rows()[:2], device=DEVICE)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_kernelize_picks_llmkernels_rmsnorm(checkpoint):
+    kernels = pytest.importorskip("kernels")
+    from llmkernels.hf_kernels import RMSNorm, kernel_mapping
+
+    undo = _kernels_marks_llama_rmsnorm(kernels)
+    try:
+        ref, model = load(checkpoint).train(), load(checkpoint).train()
+        with kernels.use_kernel_mapping(kernel_mapping(), inherit_mapping=False):
+            kernels.kernelize(model, mode=kernels.Mode.TRAINING, device=DEVICE)
+        norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+        assert len(norms) == 3 and all(m.forward.__func__ is RMSNorm.forward for m in norms)
+        (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = map(_logits_loss_and_grads, (model, ref))
+    finally:
+        undo()
+    assert rel_err(logits, ref_logits) < 1e-5 and rel_err(loss, ref_loss) < 1e-5
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-4, name
+
+
+def test_from_pretrained_use_kernels_picks_llmkernels_rmsnorm(checkpoint):
+    """transformers' own path; it needs a ``kernels`` version this transformers accepts."""
+    kernels = pytest.importorskip("kernels")
+    from transformers.utils.import_utils import is_kernels_available
+
+    if not is_kernels_available():
+        pytest.skip(f"transformers {transformers.__version__} does not accept kernels {kernels.__version__}")
+    from llmkernels.hf_kernels import RMSNorm, kernel_mapping
+
+    with kernels.use_kernel_mapping(kernel_mapping()):
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, use_kernels=True).to(DEVICE)
+    assert model.model.norm.forward.__func__ is RMSNorm.forward

@@ -75,22 +75,31 @@ def test_summary_line():
                                                       "nothing timed (no GPU) (interrupted: partial run)")
 
 
-def test_bench_writes_a_new_folder_per_run_and_no_interpreter_warnings(tmp_path):
-    """Two runs from the same folder land in two new folders under ./llmkernels-bench; the
+def test_bench_writes_a_new_folder_and_no_interpreter_warnings(tmp_path):
+    """A run lands in a new folder under ./llmkernels-bench and ends with the summary line; the
     cross-entropy kernels take log(0) on masked lanes, which NumPy warns about under the
     interpreter: not on the user's screen."""
     args = ["bench", "--op", "cross_entropy", "--providers", "llmkernels", "--mode", "fwd", "--no-decode"]
     if not __import__("torch").cuda.is_available():
         args += ["--dtype", "fp32"]
-    runs = [_run(*args, cwd=tmp_path) for _ in range(2)]
-    for proc in runs:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "RuntimeWarning" not in proc.stderr + proc.stdout
-        assert proc.stdout.rstrip().splitlines()[-1].startswith("summary: llmkernels passed ")
-    folders = sorted(os.listdir(tmp_path / "llmkernels-bench"))
-    assert len(folders) == 2, folders
-    for folder in folders:
-        assert set(os.listdir(tmp_path / "llmkernels-bench" / folder)) >= {"results.json", "results.md"}
+    proc = _run(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RuntimeWarning" not in proc.stderr + proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("summary: llmkernels passed ")
+    (folder,) = os.listdir(tmp_path / "llmkernels-bench")
+    assert set(os.listdir(tmp_path / "llmkernels-bench" / folder)) >= {"results.json", "results.md"}
+
+
+def test_each_run_gets_its_own_folder(tmp_path, monkeypatch):
+    """Named by device, date and time; a second run in the same second gets a suffix."""
+    import llmkernels.bench as bench
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench.time, "strftime", lambda fmt: "2026-11-25-120000")
+    first = bench._new_out_dir("NVIDIA H100 80GB HBM3")
+    assert first == os.path.join("llmkernels-bench", "nvidia-h100-80gb-hbm3-2026-11-25-120000")
+    os.makedirs(first)
+    assert bench._new_out_dir("NVIDIA H100 80GB HBM3") == first + "-2"
 
 
 @pytest.mark.parametrize("args", [["--help"], ["bench", "--help"]])

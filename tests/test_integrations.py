@@ -13,6 +13,9 @@ from llmkernels import hf  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
+# One xdist worker runs this module: its reference runs and checkpoint are computed once.
+pytestmark = pytest.mark.xdist_group("integrations")
+
 VOCAB, SEQ, ROWS, STEPS = 256, 16, 6, 3
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -1,10 +1,50 @@
-"""llmkernels: fused Triton kernels for training and serving transformers."""
-from .ops.norm import layer_norm, rms_norm
-from .ops.rope import apply_rope, apply_rotary_pos_emb
-from .ops.glu import glu, glu_linear
-from .ops.cross_entropy import CrossEntropyOutput, cross_entropy
-from .ops.linear_cross_entropy import linear_cross_entropy
-from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm
-from .hf import patch, patch_model_type
+"""llmkernels: fused Triton kernels for training transformers.
+
+The public API is below. Names are imported on first use, so that ``llmkernels --help`` and
+``llmkernels --version`` answer without importing torch.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "rms_norm": ".ops.norm",
+    "layer_norm": ".ops.norm",
+    "apply_rope": ".ops.rope",
+    "apply_rotary_pos_emb": ".ops.rope",
+    "glu": ".ops.glu",
+    "glu_linear": ".ops.glu",
+    "cross_entropy": ".ops.cross_entropy",
+    "CrossEntropyOutput": ".ops.cross_entropy",
+    "linear_cross_entropy": ".ops.linear_cross_entropy",
+    "RMSNorm": ".modules",
+    "FusedAddRMSNorm": ".modules",
+    "LayerNorm": ".modules",
+    "patch": ".hf",
+    "patch_model_type": ".hf",
+    "unpatch_all": ".hf",
+    "supported_model_types": ".hf",
+    "PatchReport": ".hf",
+}
+
+_SUBMODULES = ("ops", "reference", "modules", "hf", "hf_kernels", "bench", "scaling")
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        if name in _SUBMODULES:  # ``llmkernels.reference`` without importing it first, as before
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module 'llmkernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

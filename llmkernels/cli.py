@@ -1,23 +1,127 @@
-"""`llmkernels` command line: `llmkernels bench ...`, `llmkernels scaling ...`."""
+"""The ``llmkernels`` command: ``bench``, ``env``, ``scaling``, ``--version``.
+
+torch is imported by the commands that need it, not here: ``--help`` and ``--version`` answer at
+once.
+"""
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import sys
 
-USAGE = """usage: llmkernels <command> [options]
+from . import __version__
+
+USAGE = """usage: llmkernels [-h] [--version] <command> [options]
+
+Fused Triton kernels for training transformers.
 
 commands:
-  bench     benchmark the kernels against every installed peer (python -m llmkernels.bench)
-  scaling   scaling-law experiments built on the kernels (python -m llmkernels.scaling)
+  bench     check every op against its float64 reference, then time it (GB/s, % of the GPU's
+            copy bandwidth, decode latency) beside every installed peer; writes JSON, Markdown
+            and PNG plots to a new folder per run. Without a GPU: the check only, through
+            Triton's interpreter on CPU.
+  env       what llmkernels runs on: GPU and its memory bandwidth, CUDA, torch, triton,
+            transformers, whether Triton's interpreter is active, which peers are installed.
+  scaling   scaling-law experiments built on the kernels (extra `scaling`).
 
-`llmkernels <command> --help` for each command's options."""
+options:
+  -h, --help  show this message and exit
+  --version   print llmkernels' version and exit
+
+`llmkernels <command> --help` lists each command's options."""
+
+ENV_USAGE = """usage: llmkernels env [-h]
+
+Print what llmkernels runs on: llmkernels, Python, torch and its CUDA, triton, whether Triton's
+interpreter is active (TRITON_INTERPRET=1), each GPU with its memory bandwidth (theoretical,
+from the memory clock and bus width, and a 256 MiB device-to-device copy timed on the spot),
+transformers, and the peers the benchmark compares with (quack-kernels, liger-kernel,
+cut-cross-entropy) with their versions."""
+
+# Distributions reported by `llmkernels env`: the peers `llmkernels bench` times, then the
+# integrations.
+PEERS = ("quack-kernels", "liger-kernel", "cut-cross-entropy")
+INTEGRATIONS = ("transformers", "trl", "kernels")
+
+
+def _version(dist: str):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _theoretical_gbps(index: int):
+    """Peak DRAM bandwidth from the memory clock (kHz, double data rate) and bus width (bits),
+    as the CUDA driver reports them through Triton; None when they cannot be read."""
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8 / 1e9
+    except Exception:
+        return None
+
+
+def _gpu_lines(torch) -> list:
+    if not torch.cuda.is_available():
+        return ["GPU           none (CPU tensors run through Triton's interpreter when TRITON_INTERPRET=1, "
+                "else the plain-PyTorch reference)"]
+    from .bench.runner import copy_bandwidth
+
+    lines = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        line = (f"GPU {index}         {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+                f"{props.total_memory / 2**30:.1f} GiB")
+        peak = _theoretical_gbps(index)
+        try:
+            copy = f"{copy_bandwidth(torch.device('cuda', index)):.0f} GB/s device-to-device copy"
+        except Exception as exc:  # out of memory, a busy device: the rest of the report still helps
+            copy = f"copy not measured ({type(exc).__name__})"
+        line += f"\n              memory bandwidth: {f'{peak:.0f} GB/s theoretical, ' if peak else ''}{copy}"
+        lines.append(line)
+    return lines
+
+
+def env() -> str:
+    """The ``llmkernels env`` report."""
+    import platform
+
+    import torch
+
+    triton = _version("triton")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    lines = [f"llmkernels    {__version__} ({os.path.dirname(os.path.abspath(__file__))})",
+             f"python        {platform.python_version()} ({platform.system()} {platform.machine()})",
+             f"torch         {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}",
+             f"triton        {triton or 'not installed: every op takes the plain-PyTorch path'}",
+             f"interpreter   {'on' if interpret else 'off'} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')})",
+             *_gpu_lines(torch)]
+    for group, dists in (("integrations", INTEGRATIONS), ("peers", PEERS)):
+        found = ", ".join(f"{d} {_version(d) or 'not installed'}" for d in dists)
+        lines.append(f"{group:<13} {found}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    command, rest = argv[0], argv[1:]
+    if command == "--version":
+        print(f"llmkernels {__version__}")
+        return 0
+    if command == "env":
+        if rest:
+            print(ENV_USAGE, file=sys.stdout if rest[0] in ("-h", "--help") else sys.stderr)
+            return 0 if rest[0] in ("-h", "--help") else 2
+        print(env())
+        return 0
     if command == "bench":
         from .bench import main as run
     elif command == "scaling":

@@ -158,14 +158,14 @@ def test_cli_end_to_end(tmp_path, capsys, device):
     md = open(os.path.join(out, "results.md")).read()
     assert "## rmsnorm fwd bf16" in md and "## add_rmsnorm bwd bf16" in md
 
-    # A second run into the same folder (a split run) adds its op and keeps the first run's.
-    assert main(["--op", "layernorm", "--providers", "llmkernels", "--mode", "fwd", "--out", out,
-                 *_cli_flags(device)]) == 0
+    assert printed.rstrip().splitlines()[-1].startswith("summary: llmkernels passed ")
+
+    # Runs never merge: a folder that holds a run is refused before anything runs.
+    with pytest.raises(SystemExit) as exc:
+        main(["--op", "layernorm", "--providers", "llmkernels", "--mode", "fwd", "--out", out, *_cli_flags(device)])
+    assert exc.value.code == 2 and "already holds a run" in capsys.readouterr().err
     with open(os.path.join(out, "results.json")) as f:
-        merged = json.load(f)["records"]
-    layernorm = [r for r in merged if r["op"] == "layernorm"]
-    assert layernorm and {r["status"] for r in layernorm} == {"ok"}
-    assert len(merged) == len(records) + len(layernorm)
+        assert json.load(f)["records"] == records
 
 
 def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):

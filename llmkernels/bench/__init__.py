@@ -4,9 +4,10 @@ For every op, shape, dtype and mode (fwd, bwd, fwd+bwd) it checks each provider'
 gradients against the op's float64 reference, then times it: GB/s from the op's minimum bytes,
 % of the device-to-device copy bandwidth measured first in the same process, and the speedup of
 llmkernels over the best peer. Decode shapes (M <= 256) are reported as latency in µs.
-Results go to ``--out`` (default ``benchmarks/results/<device>-<date>``) as ``results.json``,
-``results.md`` and one PNG per op x mode x dtype. Without a GPU it says so and runs only the
-check, at small sizes, through Triton's interpreter.
+Each run writes a new folder (default ``./llmkernels-bench/<device>-<date>-<time>/``, or
+``--out``; never one that already holds results) with ``results.json``, ``results.md`` and one
+PNG per op x mode x dtype, and ends with one summary line. Without a GPU it says so and runs
+only the check, at small sizes, through Triton's interpreter.
 
 Layout:
   registry.py   ``Op`` and ``Provider`` (what an op declares), ``register``, ``ops()``
@@ -37,7 +38,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
+import warnings
 
+from . import report
 from .registry import MODES, Op, Provider, Unavailable, ops, register
 
 __all__ = ["main", "Op", "Provider", "Unavailable", "ops", "register"]
@@ -66,20 +70,35 @@ def _parser(registry: dict) -> argparse.ArgumentParser:
     providers = list(dict.fromkeys(p for op in registry.values() for p in op.providers))
     p = argparse.ArgumentParser(
         prog="llmkernels bench",
-        description="Benchmark llmkernels against its peers: float64 check, then GB/s and % of the copy "
-                    "bandwidth (fwd, bwd, fwd+bwd) and decode latency.")
-    p.add_argument("--op", nargs="+", choices=list(registry), default=list(registry), help="ops (default: all)")
-    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"])
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check every op against its float64 reference, then time it beside every installed peer: "
+                    "GB/s and %% of the GPU's copy bandwidth (fwd, bwd, fwd+bwd) and decode latency.\n"
+                    "Each run writes results.json, results.md and PNG plots to a new folder and ends with one "
+                    "summary line.\nWithout a GPU: the check only, at small sizes, through Triton's interpreter.",
+        epilog="examples:\n  llmkernels bench --quick\n  llmkernels bench --op rmsnorm --n 4096 8192 --mode fwd bwd\n"
+               "  llmkernels bench --op cross_entropy --dtype bf16 fp32 --out ce-run")
+    p.add_argument("--op", nargs="+", choices=list(registry), default=list(registry), metavar="OP",
+                   help=f"ops to run (default: all): {', '.join(registry)}")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"],
+                   help="dtypes of the inputs: bf16, fp16, fp32 (default: bf16); each is checked at its own tolerance")
     p.add_argument("--n", nargs="+", type=int, metavar="N",
-                   help="sizes of the swept dimension (norms: the row length N); default: each op's sweep")
-    p.add_argument("--m", type=int, metavar="M", help="rows (default: 256 MiB per bf16 tensor; cross_entropy: 2^30 logits)")
-    p.add_argument("--mode", nargs="+", choices=list(MODES), default=list(MODES))
+                   help="sizes of the swept dimension (norms: the row length N; RoPE: the sequence length; "
+                        "GLU: the intermediate size; cross-entropy: the vocabulary V); default: each op's sweep")
+    p.add_argument("--m", type=int, metavar="M",
+                   help="rows (default: 256 MiB per bf16 tensor; cross_entropy: 2^30 logits)")
+    p.add_argument("--mode", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="what is checked and timed: fwd (the forward; for norms the inference forward, no "
+                        "statistics saved), bwd (the backward alone: every gradient from a retained graph), "
+                        "fwd+bwd (both, as a training step runs them); default: all three")
     p.add_argument("--providers", nargs="+", choices=providers, metavar="P",
-                   help=f"providers (default: all importable): {', '.join(providers)}")
+                   help=f"providers (default: every one that imports): {', '.join(providers)}")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time decode sizes (M in 1..256, N=4096) as µs per call: plain calls and in a CUDA graph")
+                   help="also time decode sizes (M in 1..256, N=4096) as µs per call: plain calls and in a CUDA "
+                        "graph (default: on)")
     p.add_argument("--quick", action="store_true", help="fewer sizes (3 N, 3 decode M)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default: benchmarks/results/<device>-<date>)")
+    p.add_argument("--out", metavar="DIR",
+                   help="output folder, which must not hold an earlier run "
+                        "(default: ./llmkernels-bench/<device>-<date>-<time>)")
     return p
 
 
@@ -123,15 +142,27 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _new_out_dir(device_name: str) -> str:
+    """A new folder for this run under ./llmkernels-bench, named by device, date and time."""
+    base = os.path.join("llmkernels-bench", f"{_slug(device_name)}-{time.strftime('%Y-%m-%d-%H%M%S')}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     registry = ops()
-    args = _parser(registry).parse_args(argv)
+    parser = _parser(registry)
+    args = parser.parse_args(argv)
+    if args.out and os.path.exists(os.path.join(args.out, report.RESULTS_JSON)):
+        parser.error(f"--out {args.out} already holds a run ({report.RESULTS_JSON}); give a new folder")
 
     import torch
 
     from ..ops._common import INTERPRET
-    from . import report
     from .runner import Runner, Settings
 
     gpu = torch.cuda.is_available()
@@ -142,11 +173,15 @@ def main(argv=None) -> int:
         return subprocess.call([sys.executable, "-m", "llmkernels.bench", *argv], env=env)
     if not gpu:
         print(NO_GPU)
+        # NumPy's warnings from inside the interpreter (log of 0 on masked lanes) are not ours.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
     settings = Settings(ops=args.op, dtypes=args.dtype, sizes=args.n, rows=args.m, modes=tuple(args.mode),
                         providers=args.providers, decode=args.decode, quick=args.quick)
     device = torch.device("cuda" if gpu else "cpu")
     runner = Runner(settings, device, log=print)
+    out = args.out or _new_out_dir(runner.env["device"] if gpu else "cpu-interpreter")
+    os.makedirs(out, exist_ok=True)  # taken now: a run started meanwhile picks another name
     bar = _bar(runner.total())
     runner.log, runner.progress = bar.write, bar.update
     # Ctrl-C or a SIGTERM (a `timeout`) stops the sweep; what was measured is still written.
@@ -163,11 +198,8 @@ def main(argv=None) -> int:
 
     meta = dict(runner.env, copy_gbps=runner.copy_gbps, command="llmkernels bench " + shlex.join(argv),
                 complete=complete)
-    out = args.out or os.path.join("benchmarks", "results",
-                                   ("cpu-interpreter" if not gpu else _slug(meta["device"])) + "-" + meta["date"])
-    os.makedirs(out, exist_ok=True)
+    records = runner.records
     skipped = [{"op": op, "provider": p, "reason": reason} for (op, p), reason in runner.skipped.items()]
-    records, skipped = report.merge(os.path.join(out, report.RESULTS_JSON), runner.records, skipped)
     report.add_speedups(records)
     report.write_json(os.path.join(out, report.RESULTS_JSON), meta, records, skipped)
     with open(os.path.join(out, report.RESULTS_MD), "w") as f:
@@ -180,7 +212,8 @@ def main(argv=None) -> int:
         except ImportError:
             print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
     print(f"results: {out}/{report.RESULTS_JSON}, {report.RESULTS_MD}")
-    ours_bad = [r for r in runner.records if r["provider"] == report.OURS and r["status"] in ("failed", "error")]
+    ours_bad = [r for r in records if r["provider"] == report.OURS and r["status"] in ("failed", "error")]
     if ours_bad:
         print(f"{len(ours_bad)} llmkernels case(s) failed their check or raised: see the tables above")
+    print(report.summary(records, complete))
     return 1 if ours_bad or not complete else 0

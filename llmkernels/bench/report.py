@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 
@@ -32,18 +33,27 @@ def add_speedups(records: list) -> None:
                 r["speedup_vs_best_peer"] = best["ms"] / r["ms"] if ok else None
 
 
-def merge(path: str, records: list, skipped: list) -> tuple:
-    """Records of an earlier run written to the same ``results.json`` (a run split by --op or
-    --mode) are kept, except those this run measured again."""
-    if not os.path.exists(path):
-        return records, skipped
-    with open(path) as f:
-        old = json.load(f)
-    fresh = {_key(r) + (r["provider"],) for r in records}
-    kept = [r for r in old.get("records", []) if _key(r) + (r["provider"],) not in fresh]
-    seen = {(s["op"], s["provider"]) for s in skipped}
-    skipped = skipped + [s for s in old.get("skipped", []) if (s["op"], s["provider"]) not in seen]
-    return kept + records, skipped
+def summary(records: list, complete: bool = True) -> str:
+    """One line: llmkernels' checks, the timed cells where it is fastest, and its geometric-mean
+    speedup over the best peer (cells where a peer was timed too)."""
+    ours = [r for r in records if r["provider"] == OURS and r["status"] is not None]
+    passed = sum(r["status"] == "ok" for r in ours)
+    peers = [r for r in records if not r["provider"].startswith(OURS) and r["status"] is not None]
+    line = f"summary: llmkernels passed {passed} of {len(ours)} checks"
+    if peers:
+        line += f" (peers {sum(r['status'] == 'ok' for r in peers)} of {len(peers)})"
+    speedups = [r["speedup_vs_best_peer"] for r in ours
+                if r["kind"] != "check" and r.get("speedup_vs_best_peer") is not None]
+    if speedups:
+        fastest = sum(s > 1 for s in speedups)
+        mean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        line += (f"; fastest in {fastest} of {len(speedups)} timed cells; "
+                 f"geometric-mean speedup over the best peer {mean:.2f}x")
+    elif any(r["kind"] == "check" for r in ours):
+        line += "; nothing timed (no GPU)"
+    else:
+        line += "; no cell timed beside a peer"
+    return line + ("" if complete else " (interrupted: partial run)")
 
 
 def write_json(path: str, meta: dict, records: list, skipped: list) -> None:

@@ -111,7 +111,7 @@ def markdown(info: dict, an: dict, results: list[dict], meta: dict) -> str:
     base = meta.get("baselines") or {}
     tpb = meta["val_tokens_per_byte"]
     lines = [f"# Compute-optimal scaling on {info['device']} ({info['date']})", "",
-             f"Command: `{info['command']}`  ", f"torch {info['torch']}, triton {info['triton']}, "
+             f"Command: `{info['command']}`  ", f"Written with torch {info['torch']}, triton {info['triton']}, "
              f"Python {info['python']}, ranks {info['world_size']}.", "",
              "## Data", "",
              f"{meta['train_documents']:,} train / {meta['val_documents']:,} held-out documents "

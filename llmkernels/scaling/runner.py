@@ -247,8 +247,9 @@ class Session:
         return EXIT_INCOMPLETE
 
     def write_report(self, results: list[dict], lr_results: list[dict], lr_fit: dict):
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else \
-            (platform.processor() or "cpu")
+        here = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else (platform.processor() or "cpu")
+        device_name = ", ".join(sorted({r["device"] for r in results})) + ("" if not self.args.fit_only else
+                                                                        f" (fitted on {here})")
         try:
             import triton
             triton_version = triton.__version__

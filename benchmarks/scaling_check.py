@@ -1,90 +1,113 @@
-"""GPU check of the scaling-experiment model: kernels vs reference backend on CUDA.
+"""GPU throughput of the scaling sweep's training step: kernels vs reference backend, captured vs eager.
 
-For a few sizes of the default sweep: loss and gradients of one bf16-autocast step from the same
-init (relative differences), then milliseconds per training step (AdamW, clip, random tokens) for
-each backend after warm-up. Prints a table; writes JSON to ``$OUT/scaling_check.json`` when OUT is
-set. ``--profile``: also the top CUDA kernels of three steps of the largest size, per backend.
-``python benchmarks/scaling_check.py [--profile]``.
+For each model shape and batch: the sweep's own step (``llmkernels.scaling.train.Stepper``: batch
+gather, forward, backward, clip, fused AdamW, one CUDA graph) on random tokens, timed over
+``--steps`` replays after its warm-up; milliseconds a step, tokens/s, model TFLOP/s (total
+parameters, head and attention included: ``plan.ModelConfig.flops_per_token``) and MFU against the
+bf16 dense peak. Then, from one initialisation, one bf16 step's loss and gradients on both backends
+(relative differences). Prints a table; writes ``$OUT/scaling_check.json`` when OUT is set.
+
+    python benchmarks/scaling_check.py                          # the default shapes and batches
+    python benchmarks/scaling_check.py --shapes 8x512 --batches 256 --vocab 8192 --seq-len 256
 """
+import argparse
 import json
 import os
-import sys
 import time
 
 import torch
-import triton
 
-from llmkernels.scaling.model import GPT, ModelConfig, backend_ops
-
-SIZES = [(2, 48, 2, 16), (3, 128, 4, 64), (4, 224, 7, 256)]  # layers, width, heads, batch (default plan)
-VOCAB, SEQ = 8192, 256
+from llmkernels.scaling.model import GPT
+from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder
+from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, peak_flops
 
 
-def step_fn(model, opt):
-    def step(x, y):
+def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: int, tokens: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg, backend, compute_dtype=torch.bfloat16).cuda()
+    tcfg = TrainConfig(steps=steps + 1, batch_size=batch, lr=1e-3, warmup_steps=1)
+    t0 = time.perf_counter()
+    stepper = Stepper(model, tcfg, tokens, device=torch.device("cuda"), amp=autocast_for(torch.device("cuda"),
+                      torch.bfloat16), capture=capture)
+    setup = time.perf_counter() - t0
+    stepper.advance(1)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    stepper.advance(steps)
+    end.record()
+    end.synchronize()
+    loss = stepper.take_loss(steps + 1)
+    ms = start.elapsed_time(end) / steps
+    tok_s = batch * cfg.seq_len / ms * 1e3
+    flops = tok_s * cfg.flops_per_token()
+    peak = peak_flops(torch.cuda.get_device_name())
+    return {"shape": cfg.name, "vocab": cfg.vocab_size, "seq_len": cfg.seq_len, "params": cfg.total_params(),
+            "non_embedding_params": cfg.non_embedding_params(), "batch": batch, "backend": backend,
+            "captured": stepper.graph is not None, "ms_per_step": ms, "tokens_per_s": tok_s, "tflops": flops / 1e12,
+            "mfu": None if peak is None else flops / peak, "setup_s": setup, "loss": loss}
+
+
+def agreement(cfg: ModelConfig, batch: int) -> dict:
+    """One bf16 step from the same init on both backends: loss and the largest gradient difference."""
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device="cuda")
+    losses, grads = {}, {}
+    for backend in ("kernels", "reference"):
+        torch.manual_seed(0)
+        model = GPT(cfg, backend, compute_dtype=torch.bfloat16).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)
+            loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+        losses[backend] = loss.item()
+        grads[backend] = [p.grad.float() for p in model.parameters()]
+    err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads["kernels"], grads["reference"]))
+    return {"shape": cfg.name, "loss_kernels": losses["kernels"], "loss_reference": losses["reference"],
+            "max_grad_rel_err": err}
 
 
 def main():
-    dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} ops {backend_ops('kernels')}")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="4x128,4x256,6x384,8x512,9x640", help="LAYERSxWIDTH,... (default: %(default)s)")
+    p.add_argument("--batches", default="64,256", help="sequences a step (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=BYTE_VOCAB, help="vocabulary (default: %(default)s, the byte sweep's)")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps (default: %(default)s)")
+    p.add_argument("--eager", default="4x256,8x512", help="shapes also timed without the CUDA graph (kernels backend)")
+    args = p.parse_args()
+    name = torch.cuda.get_device_name()
+    print(f"{name}, torch {torch.__version__}")
+    tokens = torch.randint(0, min(args.vocab, 256), (1 << 24,), device="cuda", dtype=torch.int16)
+    eager = set(parse_ladder(args.eager)) if args.eager else set()
     rows = []
-    for layers, width, heads, batch in SIZES:
-        cfg = ModelConfig(vocab_size=VOCAB, n_layers=layers, width=width, n_heads=heads, seq_len=SEQ)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g).to(dev)
-        models, losses = {}, {}
-        for backend in ("kernels", "reference"):
-            torch.manual_seed(0)
-            models[backend] = GPT(cfg, backend, compute_dtype=torch.bfloat16).to(dev)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                losses[backend] = models[backend](x[:, :-1], x[:, 1:])
-            losses[backend].float().backward()
-        grad_err = max(((pk.grad - pr.grad).norm() / pr.grad.norm()).item()
-                       for pk, pr in zip(models["kernels"].parameters(), models["reference"].parameters()))
-        row = {"size": cfg.name, "params": cfg.non_embedding_params(), "batch": batch,
-               "loss_kernels": losses["kernels"].item(), "loss_reference": losses["reference"].item(),
-               "max_grad_rel_err": grad_err}
-        for backend, model in models.items():
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-            step = step_fn(model, opt)
-            for _ in range(5):
-                step(x[:, :-1], x[:, 1:])
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            n = 30
-            for _ in range(n):
-                loss = step(x[:, :-1], x[:, 1:])
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t) / n * 1e3
-            row[f"ms_{backend}"] = ms
-            row[f"tok_s_{backend}"] = batch * SEQ / ms * 1e3
-            assert torch.isfinite(loss), (cfg.name, backend)
-        row["speedup"] = row["ms_reference"] / row["ms_kernels"]
-        rows.append(row)
-        if "--profile" in sys.argv and (layers, width, heads, batch) == SIZES[-1]:
-            for backend, model in models.items():
-                step = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        step(x[:, :-1], x[:, 1:])
-                    torch.cuda.synchronize()
-                print(f"--- {cfg.name} {backend}: 3 steps")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    print(f"{'size':<12}{'N':>10}{'batch':>6}{'loss k':>9}{'loss r':>9}{'grad err':>10}{'ms k':>8}{'ms r':>8}{'speedup':>9}")
+    for layers, width in parse_ladder(args.shapes):
+        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for backend in ("kernels", "reference"):
+                rows.append(time_step(cfg, batch, backend, True, args.steps, tokens))
+                print(rows[-1], flush=True)
+            if (layers, width) in eager:
+                rows.append(time_step(cfg, batch, "kernels", False, args.steps, tokens))
+                print(rows[-1], flush=True)
+    checks = [agreement(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len), 8)
+              for layers, width in parse_ladder(args.shapes)[:2]]
+    print(f"\n{'shape':<9}{'N total':>12}{'N non-emb':>12}{'batch':>6}{'backend':>10}{'graph':>6}{'ms/step':>9}"
+          f"{'tok/s':>12}{'TFLOP/s':>9}{'MFU':>7}")
     for r in rows:
-        print(f"{r['size']:<12}{r['params']:>10,}{r['batch']:>6}{r['loss_kernels']:>9.4f}{r['loss_reference']:>9.4f}"
-              f"{r['max_grad_rel_err']:>10.2e}{r['ms_kernels']:>8.2f}{r['ms_reference']:>8.2f}{r['speedup']:>8.2f}x")
+        print(f"{r['shape']:<9}{r['params']:>12,}{r['non_embedding_params']:>12,}{r['batch']:>6}{r['backend']:>10}"
+              f"{'yes' if r['captured'] else 'no':>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>12,.0f}"
+              f"{r['tflops']:>9.1f}{(r['mfu'] or 0):>7.1%}")
+    speed = {}
+    for r in rows:
+        if r["captured"]:
+            speed.setdefault((r["shape"], r["batch"]), {})[r["backend"]] = r["ms_per_step"]
+    for (shape, batch), ms in speed.items():
+        print(f"{shape} batch {batch}: kernels {ms['reference'] / ms['kernels']:.2f}x the reference under the graph")
+    for c in checks:
+        print(f"{c['shape']}: one bf16 step, loss {c['loss_kernels']:.5f} vs {c['loss_reference']:.5f}, "
+              f"largest gradient difference {c['max_grad_rel_err']:.2e} (relative)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_check.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows, "agreement": checks}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,75 +1,78 @@
-"""Data for the scaling experiments: Python sources that exist offline wherever llmkernels runs.
+"""The corpus: documents, their train / held-out split, tokens, and n-gram baselines.
 
-``corpus="stdlib"``: the running interpreter's standard library (``*.py`` under
-``sysconfig.get_paths()["stdlib"]``, installed packages excluded). ``corpus="stdlib+torch"`` (the
-default) adds the Python sources of the installed ``torch`` package, a dependency of llmkernels:
-a distribution's Python can ship a stripped standard library (Ubuntu's 3.12 without its test
-suite: ~10 MB, ~2.8M tokens), too little for 20 tokens per parameter past ~150K parameters. The
-corpus differs between Python and torch versions: the fingerprint records which. Files are sorted
-by name (``stdlib/...``, ``torch/...``); a seeded shuffle splits them by file into train and held-out
-sets. The tokenizer is a byte-level BPE trained on the train
-files with Hugging Face ``tokenizers`` when it is installed, else raw UTF-8 bytes (256 ids); documents
-are joined by an end-of-text token. Token arrays, the tokenizer and a ``meta.json`` are cached under
-``<out>/data/<fingerprint>/`` and reused when the same corpus, split and tokenizer are asked for.
+Default source: every Python source and text file (``*.py``, ``*.pyi``, ``*.txt``, ``*.md``,
+``*.rst``) of the running Python installation, its standard library and site-packages, read as
+UTF-8 (files that are not, or that hold NUL bytes, are skipped), deduplicated by content (the
+first name in sorted order kept). ``--data PATH`` takes a text file, a folder of text files, or a
+JSON-lines file (``.jsonl``) whose lines carry a ``"text"`` field; each file or line is one document.
+
+Documents are split by a hash of their name (stable across machines and runs): a document is
+held out when its hash falls under ``heldout_frac``. Tokens: raw UTF-8 bytes (``"byte"``, the
+default: nothing to train, and a 320-entry head that stays small next to a 1M-parameter model)
+or a byte-level BPE trained on the train split (``"bpe"``, needs ``tokenizers``). Documents are
+joined with an end-of-text token. Token arrays and ``meta.json`` are cached under
+``<out>/data/<fingerprint>/``; the fingerprint covers the settings, every document's name and
+size, and the Python version.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import random
+import shutil
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 EOT = "<|endoftext|>"
-TOKENIZERS = ("bpe", "byte")
-CORPORA = ("stdlib", "stdlib+torch")
+TOKENIZERS = ("byte", "bpe")
+TEXT_SUFFIXES = (".py", ".pyi", ".txt", ".md", ".rst")
+SKIP_DIRS = {"__pycache__", ".git"}
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """What corpus, split and tokenizer to build.
+    """Which documents, split and tokenizer.
 
     Attributes:
-        corpus: ``"stdlib"`` or ``"stdlib+torch"`` (see the module docstring).
-        tokenizer: ``"bpe"`` (needs ``tokenizers``) or ``"byte"``.
-        vocab_size: BPE vocabulary size, end-of-text included (ignored for ``"byte"``: 257).
-        heldout_frac: share of the corpus bytes held out, by whole files.
-        max_bytes: keep only a seeded random subset of files up to this many bytes (tests).
-        seed: seeds the file shuffle (split and subset).
-        root: read the ``*.py`` files under this directory instead of ``corpus``.
+        path: a text file, a folder, or a ``.jsonl`` file; None for the Python installation.
+        tokenizer: ``"byte"`` or ``"bpe"``.
+        vocab_size: the BPE's vocabulary, end-of-text included (``"byte"``: 257 ids).
+        heldout_frac: share of documents held out.
+        max_bytes: keep only documents, in hash order, up to this many bytes (tests, quick looks).
+        seed: salts the hash that splits and orders the documents.
+        bpe_train_bytes: the BPE is trained on at most this many bytes of train documents.
     """
 
-    corpus: str = "stdlib+torch"
-    tokenizer: str = "bpe"
-    vocab_size: int = 8192
-    heldout_frac: float = 0.05
+    path: str | None = None
+    tokenizer: str = "byte"
+    vocab_size: int = 4096
+    heldout_frac: float = 0.02
     max_bytes: int | None = None
     seed: int = 0
-    root: str | None = None
+    bpe_train_bytes: int = 50_000_000
 
     def __post_init__(self):
-        if self.corpus not in CORPORA:
-            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
         if not 0.0 < self.heldout_frac < 1.0:
             raise ValueError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ValueError(f"vocab_size must be >= 257 for a byte-level BPE, got {self.vocab_size}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
 
 
 @dataclass
 class Corpus:
-    """Token ids of the train and held-out splits (int32 tensors) and what made them."""
+    """Token ids of the train and held-out splits (numpy int16/int32) and what made them."""
 
-    train: torch.Tensor
-    val: torch.Tensor
+    train: np.ndarray
+    val: np.ndarray
     vocab_size: int
     meta: dict
 
@@ -82,75 +85,122 @@ def bpe_available() -> bool:
     return True
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_roots(cfg: DataConfig) -> dict[str, Path]:
-    """``{label: directory}`` of the corpus's sources."""
-    if cfg.root:
-        return {"root": Path(cfg.root)}
-    roots = {"stdlib": stdlib_root()}
-    if cfg.corpus == "stdlib+torch":
-        roots["torch"] = Path(torch.__file__).parent
+def python_roots() -> dict[str, Path]:
+    """``{label: folder}``: the standard library and every distinct site-packages folder."""
+    paths = sysconfig.get_paths()
+    roots = {"stdlib": Path(paths["stdlib"])}
+    for key in ("purelib", "platlib"):
+        p = Path(paths[key])
+        if p.is_dir() and p.resolve() not in {r.resolve() for r in roots.values()}:
+            roots["site-packages" if key == "purelib" else "platlib"] = p
     return roots
 
 
-def list_files(roots: dict[str, Path]) -> list[tuple[str, Path]]:
-    """``(name, path)`` of the ``*.py`` files under each root, ``name = label/relative path``,
-    sorted by name; installed packages and caches skipped."""
-    skip = {"site-packages", "dist-packages", "__pycache__"}
+def _walk(root: Path, skip: set[Path]):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and Path(dirpath, d) not in skip)
+        for f in filenames:
+            if f.endswith(TEXT_SUFFIXES) or f.endswith(".jsonl"):
+                yield Path(dirpath, f)
+
+
+def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
+    """``(name, path)`` of every candidate file, sorted by name. The standard library's walk skips
+    the site-packages folders inside it (listed under their own label)."""
+    if cfg.path is not None:
+        root = Path(cfg.path)
+        if not root.exists():
+            raise FileNotFoundError(f"--data {cfg.path}: no such file or folder")
+        if root.is_file():
+            return [(root.name, root)]
+        return sorted((p.relative_to(root).as_posix(), p) for p in _walk(root, set()) if p.is_file())
+    roots = python_roots()
+    others = {p for p in roots.values()}
     files = []
     for label, root in roots.items():
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in skip]
-            for f in filenames:
-                path = Path(dirpath, f)
-                if f.endswith(".py") and path.is_file():
-                    files.append((f"{label}/{path.relative_to(root).as_posix()}", path))
+        for p in _walk(root, others - {root}):
+            if not p.name.endswith(".jsonl") and p.is_file():
+                files.append((f"{label}/{p.relative_to(root).as_posix()}", p))
     return sorted(files)
 
 
-def split_files(files: list, sizes: list[int], cfg: DataConfig) -> tuple[list, list]:
-    """Seeded shuffle, optional subset (the files that fit in ``max_bytes``, in shuffled order),
-    then the first files of the shuffled order up to ``heldout_frac`` of the bytes are held out.
-    Both lists come back sorted."""
-    order = list(range(len(files)))
-    random.Random(cfg.seed).shuffle(order)
+def _name_hash(name: str, seed: int) -> float:
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def _documents(files: list[tuple[str, Path]]) -> tuple[list[tuple[str, bytes]], int]:
+    """``(name, utf-8 bytes)`` of every document, and how many files were skipped as not UTF-8
+    text: a JSON-lines file gives one document per line with a ``"text"``, other files one each."""
+    docs, skipped = [], 0
+    for name, path in files:
+        raw = path.read_bytes()
+        if name.endswith(".jsonl"):
+            for i, line in enumerate(raw.splitlines()):
+                text = json.loads(line).get("text") if line.strip() else None
+                if isinstance(text, str) and text:
+                    docs.append((f"{name}:{i}", text.encode("utf-8")))
+            continue
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped += 1
+            continue
+        if b"\x00" in raw:
+            skipped += 1
+        elif raw:
+            docs.append((name, raw))
+    return docs, skipped
+
+
+def collect(cfg: DataConfig, files: list[tuple[str, Path]]):
+    """Deduplicated documents, split: ``(train, held_out, stats)``, each a list of ``(name, bytes)``
+    in hash order (``max_bytes`` keeps a prefix of that order)."""
+    found, skipped = _documents(files)
+    seen, docs, dupes = set(), [], 0
+    for name, raw in found:
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
+        if digest in seen:
+            dupes += 1
+            continue
+        seen.add(digest)
+        docs.append((name, raw))
+    docs.sort(key=lambda d: _name_hash(d[0], cfg.seed))
     if cfg.max_bytes is not None:
         kept, total = [], 0
-        for i in order:  # every file that still fits, in the shuffled order
-            if total + sizes[i] <= cfg.max_bytes:
-                kept.append(i)
-                total += sizes[i]
-        order = kept
-    total = sum(sizes[i] for i in order)
-    val, val_bytes = [], 0
-    for i in order:
-        if val_bytes >= cfg.heldout_frac * total:
-            break
-        val.append(i)
-        val_bytes += sizes[i]
-    if len(val) == len(order):
-        raise ValueError(f"too few files ({len(order)}) to hold out {cfg.heldout_frac:.0%} and train on the rest")
-    train = sorted(set(order) - set(val))
-    return [files[i] for i in train], [files[i] for i in sorted(val)]
+        for d in docs:
+            if total + len(d[1]) > cfg.max_bytes:
+                continue
+            kept.append(d)
+            total += len(d[1])
+        docs = kept
+    val = [d for d in docs if _name_hash("heldout/" + d[0], cfg.seed) < cfg.heldout_frac]
+    train = [d for d in docs if _name_hash("heldout/" + d[0], cfg.seed) >= cfg.heldout_frac]
+    if not val:  # a small corpus: hold out its first document
+        val, train = train[:1], train[1:]
+    if not train:
+        raise ValueError(f"too few documents ({len(docs)}) to hold out {cfg.heldout_frac:.0%} and train on the rest")
+    stats = {"documents": len(docs), "duplicates_dropped": dupes, "skipped_not_text": skipped}
+    return train, val, stats
 
 
-def fingerprint(files: list[tuple[str, Path]], sizes: list[int], cfg: DataConfig) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps({"cfg": asdict(cfg), "python": sys.version.split()[0], "torch": torch.__version__}).encode())
-    for (name, _), n in zip(files, sizes):
-        h.update(f"{name}:{n}\n".encode())
+def fingerprint(cfg: DataConfig, files: list[tuple[str, Path]]) -> str:
+    h = hashlib.sha256(json.dumps({"cfg": asdict(cfg), "python": sys.version.split()[0]}).encode())
+    for name, path in files:
+        h.update(f"{name}:{path.stat().st_size}\n".encode())
     return h.hexdigest()[:16]
 
 
-def _read(p: Path) -> str:
-    return p.read_bytes().decode("utf-8", errors="replace")
+def estimate_bytes(cfg: DataConfig) -> tuple[int, int]:
+    """(files, bytes) of the candidate files before deduplication: what ``--list`` can say without
+    reading them."""
+    files = list_sources(cfg)
+    total = sum(p.stat().st_size for _, p in files)
+    return len(files), min(total, cfg.max_bytes) if cfg.max_bytes else total
 
 
-def train_bpe(texts: list[str], vocab_size: int):
-    """A byte-level BPE (GPT-2 style pre-tokenisation, all 256 bytes in the base alphabet)."""
+def _train_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 pre-tokenisation, all 256 bytes in the base alphabet)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -161,70 +211,107 @@ def train_bpe(texts: list[str], vocab_size: int):
     return tok
 
 
-def _join(docs: list[list[int]], eot: int) -> np.ndarray:
-    sep = np.asarray([eot], dtype=np.int32)
-    return np.concatenate([part for ids in docs for part in (np.asarray(ids, dtype=np.int32), sep)])
-
-
-def _tokenize(cfg: DataConfig, train_files: list, val_files: list, cache: Path):
-    train_texts = [_read(p) for _, p in train_files]
-    val_texts = [_read(p) for _, p in val_files]
-    if cfg.tokenizer == "bpe":
-        tok = train_bpe(train_texts, cfg.vocab_size)
-        tok.save(str(cache / "tokenizer.json"))
-        eot = tok.token_to_id(EOT)
-        encode = lambda texts: [e.ids for e in tok.encode_batch(texts)]  # noqa: E731
-        vocab = tok.get_vocab_size()
-    else:
+def _encode(cfg: DataConfig, train, val, cache: Path):
+    """Token arrays (documents joined by end-of-text), the vocabulary and the end-of-text id."""
+    if cfg.tokenizer == "byte":
         eot, vocab = 256, 257
-        encode = lambda texts: [list(t.encode("utf-8")) for t in texts]  # noqa: E731
-    return _join(encode(train_texts), eot), _join(encode(val_texts), eot), vocab, eot
-
-
-def prepare(cfg: DataConfig, cache_dir: str | os.PathLike, log=print) -> Corpus:
-    """Build (or load from ``cache_dir``) the tokenized corpus described by ``cfg``."""
-    if cfg.tokenizer == "bpe" and not bpe_available():
-        raise ImportError("tokenizer='bpe' needs the `tokenizers` package (pip install tokenizers), "
-                          "or use tokenizer='byte'")
-    roots = corpus_roots(cfg)
-    files = list_files(roots)
-    if not files:
-        raise FileNotFoundError(f"no *.py files under {', '.join(map(str, roots.values()))}")
-    sizes = [p.stat().st_size for _, p in files]
-    fp = fingerprint(files, sizes, cfg)
-    cache = Path(cache_dir) / fp
-    meta_path = cache / "meta.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        log(f"data: cached {cache} ({meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens)")
+        encode = lambda docs: [np.frombuffer(raw, dtype=np.uint8) for _, raw in docs]  # noqa: E731
     else:
-        train_files, val_files = split_files(files, sizes, cfg)
-        log(f"data: {len(train_files)} train / {len(val_files)} held-out files from "
-            f"{', '.join(f'{k} ({v})' for k, v in roots.items())}; "
-            f"tokenizer {cfg.tokenizer}" + (f" (vocab {cfg.vocab_size})" if cfg.tokenizer == "bpe" else ""))
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        sample, total = [], 0
+        for _, raw in train:
+            if total >= cfg.bpe_train_bytes:
+                break
+            sample.append(raw.decode("utf-8"))
+            total += len(raw)
+        tok = _train_bpe(sample, cfg.vocab_size)
+        tok.save(str(cache / "tokenizer.json"))
+        eot, vocab = tok.token_to_id(EOT), tok.get_vocab_size()
+        encode = lambda docs: [np.asarray(e.ids, dtype=np.int32)  # noqa: E731
+                               for e in tok.encode_batch_fast([raw.decode("utf-8") for _, raw in docs])]
+    dtype = np.int16 if vocab <= 2**15 else np.int32
+
+    def join(docs):
+        parts = encode(docs)
+        out = np.empty(sum(len(p) + 1 for p in parts), dtype=dtype)
+        at = 0
+        for p in parts:
+            out[at: at + len(p)] = p
+            out[at + len(p)] = eot
+            at += len(p) + 1
+        return out
+    return join(train), join(val), vocab, eot
+
+
+def prepare(cfg: DataConfig, cache_dir, log=print) -> Corpus:
+    """Build (or load from ``cache_dir``) the tokenized corpus of ``cfg``."""
+    if cfg.tokenizer == "bpe" and not bpe_available():
+        raise ImportError("tokenizer 'bpe' needs the `tokenizers` package (pip install tokenizers); "
+                          "or use the byte tokenizer")
+    files = list_sources(cfg)
+    if not files:
+        raise FileNotFoundError(f"no text files found ({cfg.path or 'Python installation'})")
+    fp = fingerprint(cfg, files)
+    cache = Path(cache_dir) / fp
+    if not all((cache / f).exists() for f in ("meta.json", "train.npy", "val.npy")):
+        train, val, stats = collect(cfg, files)
+        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        train, val, vocab, eot = _tokenize(cfg, train_files, val_files, tmp)
-        np.save(tmp / "train.npy", train)
-        np.save(tmp / "val.npy", val)
-        n_bytes = sum(p.stat().st_size for _, p in train_files + val_files)
+        train_ids, val_ids, vocab, eot = _encode(cfg, train, val, tmp)
+        np.save(tmp / "train.npy", train_ids)
+        np.save(tmp / "val.npy", val_ids)
+        train_bytes, val_bytes = sum(len(r) for _, r in train), sum(len(r) for _, r in val)
         meta = {
-            "fingerprint": fp, "config": asdict(cfg), "roots": {k: str(v) for k, v in roots.items()},
-            "python": sys.version.split()[0], "torch": torch.__version__,
-            "files": {"train": len(train_files), "val": len(val_files)},
-            "val_files": [name for name, _ in val_files],
-            "bytes": n_bytes, "train_tokens": int(train.size), "val_tokens": int(val.size),
-            "bytes_per_token": n_bytes / max(1, train.size + val.size), "vocab_size": vocab, "eot": eot,
+            "fingerprint": fp, "config": asdict(cfg), "python": sys.version.split()[0],
+            "source": cfg.path or {k: str(v) for k, v in python_roots().items()},
+            **stats, "train_documents": len(train), "val_documents": len(val),
+            "train_bytes": train_bytes, "val_bytes": val_bytes,
+            "train_tokens": int(train_ids.size), "val_tokens": int(val_ids.size),
+            "val_tokens_per_byte": val_ids.size / val_bytes, "vocab_size": vocab, "eot": eot,
+            "baselines": ngram_baselines(train_ids, val_ids, vocab),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if cache.exists():  # an incomplete copy (a description without its tokens): replaced
+            shutil.rmtree(cache)
         try:
             tmp.rename(cache)
         except OSError:  # another process finished first: keep its copy
             for f in tmp.iterdir():
                 f.unlink()
             tmp.rmdir()
-        log(f"data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens "
-            f"({meta['bytes_per_token']:.2f} bytes/token) -> {cache}")
-    train = torch.from_numpy(np.load(cache / "train.npy"))
-    val = torch.from_numpy(np.load(cache / "val.npy"))
-    return Corpus(train=train, val=val, vocab_size=meta["vocab_size"], meta=meta)
+    meta = json.loads((cache / "meta.json").read_text())
+    log(f"data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens "
+        f"({meta['train_documents']:,} / {meta['val_documents']:,} documents, {meta['duplicates_dropped']:,} "
+        f"duplicates dropped; {meta['config']['tokenizer']} tokens) -> {cache}")
+    return Corpus(train=np.load(cache / "train.npy"), val=np.load(cache / "val.npy"), vocab_size=meta["vocab_size"],
+                  meta=meta)
+
+
+def ngram_baselines(train: np.ndarray, val: np.ndarray, vocab: int, chunk: int = 1 << 24) -> dict:
+    """Held-out cross-entropy (nats/token) of a unigram and a bigram model counted on the train
+    split: unigram with add-one smoothing; bigram ``(c(a, b) + mu·p(b)) / (c(a) + mu)`` with the
+    prior strength ``mu`` picked from a grid on the held-out split itself (a generous baseline)."""
+    bigram = vocab <= 8192  # else a [V, V] table would not fit: unigram only
+    uni = np.zeros(vocab, dtype=np.float64)
+    pairs = np.zeros(vocab * vocab if bigram else 1, dtype=np.float64)
+    for at in range(0, train.size, chunk):  # in chunks: int64 copies of the whole split would not fit
+        a = train[at: at + chunk + 1].astype(np.int64)
+        uni += np.bincount(a[: chunk], minlength=vocab)
+        if bigram:
+            pairs += np.bincount(a[:-1] * vocab + a[1:], minlength=vocab * vocab)
+    p_uni = (uni + 1.0) / (uni.sum() + vocab)
+    nll_uni = float(-np.log(p_uni[val.astype(np.int64)]).mean())
+    if not bigram:
+        return {"unigram": nll_uni, "bigram": None, "bigram_mu": None}
+    pairs = pairs.reshape(vocab, vocab)
+    prev, nxt = val[:-1].astype(np.int64), val[1:].astype(np.int64)
+    c_ab, c_a = pairs[prev, nxt], pairs.sum(1)[prev]
+    best = None
+    for mu in (0.1, 1.0, 10.0, 100.0, 1000.0):
+        nll = float(-np.log((c_ab + mu * p_uni[nxt]) / (c_a + mu)).mean())
+        if best is None or nll < best[0]:
+            best = (nll, mu)
+    return {"unigram": nll_uni, "bigram": best[0], "bigram_mu": best[1]}
+
+
+def bits_per_byte(nats_per_token: float, tokens_per_byte: float) -> float:
+    return nats_per_token * tokens_per_byte / math.log(2)

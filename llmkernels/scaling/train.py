@@ -1,6 +1,14 @@
-"""Training one model size: AdamW, linear warm-up then cosine decay, bf16 autocast on GPU,
-held-out evaluation along the way (the loss-vs-compute curve) and at the end, periodic checkpoints
-from which an interrupted run resumes bit-for-bit in its data order."""
+"""Training one run: AdamW, linear warm-up then cosine decay, held-out evaluations along the way,
+checkpoints from which an interrupted run resumes exactly.
+
+On a GPU the whole step is one CUDA graph: the batch is gathered on the device from start offsets
+drawn up front, the learning rate is read from a device-side schedule, then forward, backward,
+gradient clipping and the fused AdamW step (its learning rate a device tensor) follow, and a step
+counter advances. Replaying the graph costs one launch a step, so that small models are bound by
+the GPU and not by the host's kernel launches. Everything it touches keeps its address from the
+capture on: a checkpoint is restored by copying into those tensors. Elsewhere (CPU) the same step
+runs eagerly.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -12,116 +20,199 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .data import Corpus
-from .model import GPT, ModelConfig, backend_ops
+from .model import GPT, ops_run
+from .plan import ModelConfig
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # progress bars are optional
-    tqdm = None
+# bf16 dense peak of the tensor cores (vendor datasheets, SXM parts) for the MFU column.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+class TimeUp(Exception):
+    """The run hit the caller's deadline; its checkpoint holds where it stopped."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How one size is trained.
+    """How one run trains (see ``plan.HParams`` for where the values come from).
 
     Attributes:
-        tokens: training tokens (rounded up to whole steps).
-        batch_size: sequences per step.
-        lr: peak learning rate.
-        warmup_frac: share of the steps spent warming up linearly from 0.
-        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
-        weight_decay: AdamW's, on matrices and the embedding (not on norm weights).
-        beta1, beta2, grad_clip: AdamW's betas and the global gradient-norm clip.
-        seed: model initialisation and data order (the same for every backend).
-        eval_tokens: held-out tokens for the final loss (at most the whole held-out split).
-        curve_points: held-out evaluations along training, spaced evenly in log(tokens).
-        curve_eval_tokens: held-out tokens per curve evaluation.
-        log_every: steps between reads of the training loss (each read synchronises the GPU).
+        steps, batch_size: optimizer steps and sequences per step.
+        lr, warmup_steps, min_lr_ratio: peak learning rate, linear warm-up from 0, cosine floor.
+        weight_decay, beta1, beta2, grad_clip: AdamW's (decoupled decay on matrices and the
+            embedding) and the global gradient-norm clip (0: none).
+        seed: model initialisation and data order.
+        eval_tokens: held-out tokens of the final loss; curve_points evaluations of
+            curve_eval_tokens each along training, spaced evenly in log(step).
+        log_every: steps between reads of the training loss (each read waits for the GPU).
     """
 
-    tokens: int
+    steps: int
     batch_size: int
     lr: float
-    warmup_frac: float = 0.05
+    warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
-    beta2: float = 0.95
+    beta2: float = 0.99
     grad_clip: float = 1.0
     seed: int = 0
-    eval_tokens: int = 1 << 19
+    eval_tokens: int = 1 << 20
     curve_points: int = 10
-    curve_eval_tokens: int = 1 << 15
-    log_every: int = 20
-
-    def steps(self, seq_len: int) -> int:
-        return max(1, math.ceil(self.tokens / (self.batch_size * seq_len)))
+    curve_eval_tokens: int = 1 << 16
+    log_every: int = 100
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Learning rate before update ``step`` (0-based) of ``total``: linear warm-up to ``cfg.lr`` over
-    ``warmup_frac·total`` steps (at least one), then a half cosine down to ``lr·min_lr_ratio``."""
-    warmup = max(1, round(cfg.warmup_frac * total))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of update ``step`` (0-based): linear warm-up over ``warmup_steps``, then a half
+    cosine from ``lr`` to ``lr·min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def size_seed(seed: int, name: str) -> int:
-    """A per-size seed, stable across processes and backends."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    if device.type == "cuda" and dtype != torch.float32:
-        return torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def evaluate(model: GPT, tokens: torch.Tensor, max_tokens: int, batch_size: int, amp) -> float:
-    """Mean next-token loss over non-overlapping windows of ``tokens`` (on the model's device), up
-    to ``max_tokens`` predicted tokens: every window when they fit, else ``max_tokens // seq_len``
-    windows spread evenly over the whole split (its first files alone would be a biased sample)."""
-    seq = model.cfg.seq_len
-    total_windows = (tokens.numel() - 1) // seq
-    if total_windows < 1:
-        raise ValueError(f"held-out split has {tokens.numel()} tokens: fewer than one window of {seq + 1}")
-    n = min(total_windows, max(1, max_tokens // seq))
-    starts = (torch.arange(n, device=tokens.device) * total_windows // n) * seq
-    idx = starts[:, None] + torch.arange(seq + 1, device=tokens.device)
-    windows = tokens[idx]
-    x, y = windows[:, :-1], windows[:, 1:]
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=tokens.device)
-    for i in range(0, n, batch_size):
-        with amp:  # per-token losses, summed in float64 (a bf16 mean would round to ~0.01)
-            losses = model(x[i: i + batch_size].long(), y[i: i + batch_size].long(), reduction="none")
-        total += losses.double().sum()
-    model.train(was_training)
-    return float(total / (n * seq))
-
-
-def _param_groups(model: GPT, weight_decay: float):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-def _curve_steps(steps: int, points: int) -> list[int]:
-    """Steps (1-based counts of updates) after which the held-out curve is sampled: ``points``
-    values spaced evenly in log between ~1% of training and the end."""
+def curve_steps(steps: int, points: int) -> list[int]:
+    """Step counts after which the held-out curve is sampled: ``points`` values spaced evenly in
+    log from ~2% of the run to its end."""
     if points <= 0:
         return []
-    first = max(1, steps // 100)
+    first = max(1, steps // 50)
     if points == 1 or first >= steps:
         return [steps]
     ratio = (steps / first) ** (1.0 / (points - 1))
     return sorted({min(steps, round(first * ratio**i)) for i in range(points)})
+
+
+def run_seed(seed: int, name: str) -> int:
+    """A per-size seed, stable across processes, devices and backends."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast on GPU; its weight-cast cache off, so that a captured step recasts each replay."""
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def eval_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """``[n, seq_len + 1]`` non-overlapping windows of the held-out tokens, ``max_tokens // seq_len``
+    of them spread evenly over the whole split (all of them when fewer fit)."""
+    total = (tokens.numel() - 1) // seq_len
+    if total < 1:
+        raise ValueError(f"held-out split has {tokens.numel()} tokens: fewer than one window of {seq_len + 1}")
+    n = min(total, max(1, max_tokens // seq_len))
+    starts = (torch.arange(n, device=tokens.device) * total // n) * seq_len
+    return tokens[starts[:, None] + torch.arange(seq_len + 1, device=tokens.device)].long()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, windows: torch.Tensor, batch_size: int, amp) -> float:
+    """Mean next-token loss (nats) over ``windows``, per-token losses summed in float64."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=windows.device)
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i: i + batch_size]
+        with amp:
+            total += model(w[:, :-1], w[:, 1:], reduction="none").double().sum()
+    model.train(was_training)
+    return float(total / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+class Stepper:
+    """One run's training step and the state it mutates, captured in a CUDA graph on GPU."""
+
+    def __init__(self, model: GPT, cfg: TrainConfig, train_tokens: torch.Tensor, *, device: torch.device,
+                 amp, capture: bool):
+        self.model, self.cfg, self.amp, self.device = model, cfg, amp, device
+        seq = model.cfg.seq_len
+        if train_tokens.numel() <= seq + 1:
+            raise ValueError(f"train split has {train_tokens.numel()} tokens: fewer than one window of {seq + 1}")
+        self.tokens = train_tokens
+        gen = torch.Generator().manual_seed(run_seed(cfg.seed + 1, model.cfg.name))
+        self.starts = torch.randint(0, train_tokens.numel() - seq - 1, (cfg.steps, cfg.batch_size),
+                                    generator=gen).to(device)
+        self.offsets = torch.arange(seq + 1, device=device)
+        self.lrs = torch.tensor([lr_at(s, cfg) for s in range(cfg.steps)], dtype=torch.float32, device=device)
+        self.lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.params = list(model.parameters())
+        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        # fused: one kernel for every parameter; capturable keeps its step count on the device
+        self.opt = torch.optim.AdamW(groups, lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True,
+                                     capturable=device.type == "cuda")
+        self.graph = None
+        self._warm_up()
+        if capture and device.type == "cuda":
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+
+    def _step(self):
+        i = self.step.view(1)
+        window = self.tokens[self.starts.index_select(0, i).view(-1, 1) + self.offsets].long()
+        self.lr.copy_(self.lrs.index_select(0, i).view(()))
+        for p in self.params:
+            p.grad = None
+        with self.amp:
+            loss = self.model(window[:, :-1], window[:, 1:])
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        self.opt.step()
+        self.loss_sum.add_(loss.detach())
+        self.step.add_(1)
+
+    def _warm_up(self):
+        """Run steps once (compiling the kernels, creating the optimizer state; on a side stream
+        before a capture), then put back the initial parameters and a fresh optimizer state."""
+        initial = [p.detach().clone() for p in self.params]
+        stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for _ in range(3 if stream is not None else 1):
+                self._step()
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        self.load({"step": 0, "params": initial,
+                   "optimizer": [[torch.zeros_like(v) for v in self.opt.state[p].values()] for p in self.params]})
+
+    def advance(self, n: int):
+        for _ in range(n):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+
+    def take_loss(self, n: int) -> float:
+        """Mean training loss of the last ``n`` steps (waits for them)."""
+        loss = float(self.loss_sum) / n
+        self.loss_sum.zero_()
+        return loss
+
+    def state(self) -> dict:
+        return {"step": int(self.step), "params": [p.detach().cpu() for p in self.params],
+                "optimizer": [[v.detach().cpu() for v in self.opt.state[p].values()] for p in self.params]}
+
+    @torch.no_grad()
+    def load(self, state: dict):
+        """Copy a ``state()`` into the step's own tensors (their addresses are in the graph)."""
+        for p, v in zip(self.params, state["params"]):
+            p.copy_(v)
+        for p, saved in zip(self.params, state["optimizer"]):
+            for v, s in zip(self.opt.state[p].values(), saved):
+                v.copy_(s)
+        self.step.fill_(state["step"])
+        self.loss_sum.zero_()
 
 
 def _save(obj, path: str):
@@ -130,121 +221,95 @@ def _save(obj, path: str):
     os.replace(tmp, path)
 
 
-def train_size(mcfg: ModelConfig, tcfg: TrainConfig, corpus: Corpus, *, backend: str, device: torch.device,
-               dtype: torch.dtype, key: dict, ckpt_path: str | None = None, ckpt_interval: float = 120.0,
-               progress: bool = True, position: int = 0, log=print) -> dict:
-    """Train one model from scratch (or from its checkpoint when one with the same ``key`` exists)
-    and return its results: held-out loss, the loss curve, throughput and what was run."""
-    seq = mcfg.seq_len
-    steps = tcfg.steps(seq)
-    tokens_per_step = tcfg.batch_size * seq
-    n_params = mcfg.non_embedding_params()
-
-    torch.manual_seed(size_seed(tcfg.seed, mcfg.name))
-    model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32)
-    model.to(device)
-    opt_kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(_param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
-                            **opt_kwargs)
-    gen = torch.Generator().manual_seed(size_seed(tcfg.seed + 1, mcfg.name))
-    train_tok = corpus.train.to(device)
-    val_tok = corpus.val.to(device)
-    if train_tok.numel() <= seq + 1:
-        raise ValueError(f"train split has {train_tok.numel()} tokens: fewer than one window of {seq + 1}")
+def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, val_windows: dict, *,
+              backend: str, device: torch.device, dtype: torch.dtype, key: dict, capture: bool = True,
+              ckpt_path: str | None = None, ckpt_interval: float = 300.0, deadline: float | None = None,
+              progress: bool = True, position: int = 0, desc: str = "", log=print) -> dict:
+    """Train one model from scratch, or from its checkpoint when one with the same ``key`` exists,
+    and return its results. ``val_windows``: ``{"final": [n, T+1], "curve": [m, T+1]}`` held-out
+    windows on ``device``. ``deadline`` (``time.perf_counter()`` value): past it, checkpoint and
+    raise ``TimeUp``."""
+    wall0 = time.perf_counter()
+    torch.manual_seed(run_seed(cfg.seed, mcfg.name))
+    model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32).to(device)
     amp = autocast_for(device, dtype)
-    eval_batch = max(64, tcfg.batch_size)
-    offsets = torch.arange(seq + 1, device=device)
+    stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture)
+    setup_seconds = time.perf_counter() - wall0
 
     start, history, curve, train_seconds = 0, [], [], 0.0
     if ckpt_path and os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ckpt.get("key") == key and "optimizer" in ckpt:
-            model.load_state_dict(ckpt["model"])
-            opt.load_state_dict(ckpt["optimizer"])
-            gen.set_state(ckpt["generator"])
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ckpt.get("key") == key:
+            stepper.load(ckpt["state"])
             start, history, curve, train_seconds = ckpt["step"], ckpt["history"], ckpt["curve"], ckpt["train_seconds"]
-            log(f"{mcfg.name}: resuming at step {start}/{steps}")
+            log(f"{desc or mcfg.name}: resuming at step {start}/{cfg.steps}")
 
-    def checkpoint(step, final=False):
-        if not ckpt_path:
-            return
-        state = {"key": key, "model": model.state_dict(), "step": step, "history": history, "curve": curve,
-                 "train_seconds": train_seconds}
-        if not final:
-            state.update(optimizer=opt.state_dict(), generator=gen.get_state())
-        _save(state, ckpt_path)
+    def checkpoint(step):
+        if ckpt_path:
+            _save({"key": key, "step": step, "state": stepper.state(), "history": history, "curve": curve,
+                   "train_seconds": train_seconds}, ckpt_path)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    curve_at = set(_curve_steps(steps, tcfg.curve_points))
+    tokens_per_step = cfg.batch_size * mcfg.seq_len
+    at_curve = set(curve_steps(cfg.steps, cfg.curve_points))
+    bounds = sorted(at_curve | set(range(cfg.log_every, cfg.steps, cfg.log_every)) | {cfg.steps})
+    eval_batch = max(32, min(256, (1 << 17) // mcfg.seq_len))
     bar = None
-    if progress and tqdm is not None:
-        bar = tqdm(total=steps, initial=start, desc=f"{mcfg.name} [{backend}]", position=position, leave=True,
-                   unit="step", dynamic_ncols=True, mininterval=1.0 if os.isatty(2) else 15.0)
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=cfg.steps, initial=start, desc=desc or mcfg.name, position=position, leave=False,
+                       unit="step", dynamic_ncols=True, mininterval=1.0 if os.isatty(2) else 30.0)
+        except ImportError:  # progress bars are optional
+            bar = None
     model.train()
-    loss_sum = torch.zeros((), device=device)
-    loss_count = 0
-    wall0 = time.perf_counter()
-    sync()
-    t0, last_ckpt = time.perf_counter(), time.perf_counter()
-    for step in range(start, steps):
-        lr = lr_at(step, steps, tcfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, train_tok.numel() - seq - 1, (tcfg.batch_size,), generator=gen)
-        window = train_tok[starts.to(device)[:, None] + offsets].long()
-        with amp:
-            loss = model(window[:, :-1], window[:, 1:])
-        loss.backward()
-        if tcfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-        loss_count += 1
-        done = step + 1
-        if done % tcfg.log_every == 0 or done == steps or done in curve_at:
-            train_loss = float(loss_sum) / loss_count  # synchronises
+    done, last_ckpt = start, time.perf_counter()
+    try:
+        for b in bounds:
+            if b <= done:
+                continue
+            t0 = time.perf_counter()
+            stepper.advance(b - done)
+            loss = stepper.take_loss(b - done)
             train_seconds += time.perf_counter() - t0
-            loss_sum.zero_()
-            loss_count = 0
-            if not math.isfinite(train_loss):
-                raise FloatingPointError(f"{mcfg.name}: training loss is {train_loss} at step {done}")
-            history.append([done, round(train_seconds, 4), train_loss, lr])
-            if done in curve_at:
-                val = evaluate(model, val_tok, tcfg.curve_eval_tokens, eval_batch, amp)
+            done = b
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{desc or mcfg.name}: training loss is {loss} at step {done}")
+            history.append([done, round(train_seconds, 4), loss, lr_at(done - 1, cfg)])
+            if done in at_curve:
                 curve.append({"step": done, "tokens": done * tokens_per_step,
-                              "compute": 6.0 * n_params * done * tokens_per_step, "val_loss": val})
+                              "compute": float(done * tokens_per_step * mcfg.flops_per_token()),
+                              "val_loss": evaluate(model, val_windows["curve"], eval_batch, amp)})
             if bar is not None:
                 bar.update(done - bar.n)
-                bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", refresh=False)
-            if ckpt_path and time.perf_counter() - last_ckpt > ckpt_interval and done < steps:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            now = time.perf_counter()
+            if done < cfg.steps and deadline is not None and now > deadline:
                 checkpoint(done)
-                last_ckpt = time.perf_counter()
-            sync()
-            t0 = time.perf_counter()
-    if bar is not None:
-        bar.close()
+                raise TimeUp(f"{desc or mcfg.name}: stopped at step {done}/{cfg.steps} (time limit)")
+            if done < cfg.steps and ckpt_path and now - last_ckpt > ckpt_interval:
+                checkpoint(done)
+                last_ckpt = now
+    finally:
+        if bar is not None:
+            bar.close()
 
-    val_loss = evaluate(model, val_tok, tcfg.eval_tokens, eval_batch, amp)
-    checkpoint(steps, final=True)
-    tokens = steps * tokens_per_step
-    # Steady-state throughput: from the first log point past 20% of the steps to the end, which
-    # leaves out the first steps' kernel compilation and warm-up.
-    anchor = next((h for h in history if 0.2 * steps <= h[0] < steps), None)
-    s0, t_s0 = (anchor[0], anchor[1]) if anchor else (0, 0.0)
-    steady = (steps - s0) * tokens_per_step / max(1e-9, history[-1][1] - t_s0)
+    val_loss = evaluate(model, val_windows["final"], eval_batch, amp)
+    if ckpt_path and os.path.exists(ckpt_path):
+        os.remove(ckpt_path)  # finished: the result JSON is what is kept
+    tokens = cfg.steps * tokens_per_step
+    tokens_per_s = tokens / max(1e-9, train_seconds)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = peak_flops(device_name)
+    flops_per_s = tokens_per_s * mcfg.flops_per_token()
     return {
-        "name": mcfg.name, "backend": backend, "ops": backend_ops(backend),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).replace("torch.", ""), "model": mcfg.to_dict(), "train": asdict(tcfg),
-        "params": n_params, "embedding_params": mcfg.embedding_params(), "steps": steps,
-        "tokens": tokens, "epochs": tokens / corpus.train.numel(), "compute": 6.0 * n_params * tokens,
-        "flops_per_token": mcfg.flops_per_token(), "val_loss": val_loss,
+        "name": mcfg.name, "backend": backend, "ops": ops_run(backend, device), "captured": stepper.graph is not None,
+        "device": device_name, "dtype": str(dtype).replace("torch.", ""), "model": mcfg.to_dict(),
+        "train": asdict(cfg), "params": mcfg.total_params(), "non_embedding_params": mcfg.non_embedding_params(),
+        "embedding_params": mcfg.embedding_params(), "flops_per_token": mcfg.flops_per_token(),
+        "steps": cfg.steps, "tokens": tokens, "compute": float(tokens * mcfg.flops_per_token()),
+        "epochs": tokens / train_tokens.numel(), "val_loss": val_loss,
         "train_loss": history[-1][2], "first_train_loss": history[0][2], "curve": curve, "history": history,
-        "train_seconds": train_seconds, "tokens_per_s": tokens / max(1e-9, train_seconds),
-        "steady_tokens_per_s": steady, "steady_tflops": steady * mcfg.flops_per_token() / 1e12,
+        "train_seconds": train_seconds, "setup_seconds": setup_seconds, "tokens_per_s": tokens_per_s,
+        "tflops": flops_per_s / 1e12, "mfu": None if peak is None else flops_per_s / peak,
         "wall_seconds": time.perf_counter() - wall0, "resumed_from_step": start,
     }

@@ -138,16 +138,14 @@ def gpu_ms(make_timed) -> float:
     import torch
     from triton.testing import do_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         fn = make_timed()
-        for _ in range(3):
+        fn(), fn(), fn()  # warm-up: compilation, allocations
+        with torch.cuda.graph(graph, stream=side):
             fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(side)
     ms = float(do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
     del graph, fn
     return ms

@@ -162,9 +162,6 @@ class Op:
     # ---------------------------------------------------------------------------------------
     # the two backward paths
     # ---------------------------------------------------------------------------------------
-    def _eager_backward_launcher(self):
-        return self.backward_launcher if self.backward_launcher is not None else self
-
     def _compiled_setup(self, ctx, inputs, output):
         self.setup(ctx, inputs, output)
 
@@ -201,7 +198,8 @@ class Op:
                 if ctx.consumed:
                     raise RuntimeError(once)
                 ctx.consumed = True
-            grads = backward(ctx, spec._eager_backward_launcher(), *grad_outputs)
+            grads = backward(ctx, spec.backward_launcher if spec.backward_launcher is not None else spec,
+                             *grad_outputs)
             return _input_grads(grad_inputs, len(ctx.needs_input_grad) - 1, grads) + (None,)
 
         if once_differentiable:

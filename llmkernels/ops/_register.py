@@ -151,12 +151,15 @@ class Op:
             if self.op is None:
                 return self.base(*args, **options)
             outputs = self.op(*args)
-        elif self.needs_grad(args):
-            return self.function.apply(*args, options)
-        elif self.op is None:
+            return outputs if self.returns is None else outputs[:self.returns]
+        if torch.is_grad_enabled():
+            for i in self.grad_inputs:  # (``needs_grad`` inline: every eager call takes this path)
+                t = args[i]
+                if t is not None and t.requires_grad:
+                    return self.function.apply(*args, options)
+        if self.op is None:
             return self.base(*args, **options)
-        else:
-            outputs = self.infer(*args, **options)
+        outputs = self.infer(*args, **options)
         return outputs if self.returns is None else outputs[:self.returns]
 
     # ---------------------------------------------------------------------------------------

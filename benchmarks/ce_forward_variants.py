@@ -7,6 +7,7 @@ A per-lane variant of the online statistics (no cross-warp reduction inside the 
 exps per element) was timed with this script and lost everywhere; see
 benchmarks/results/cross_entropy-forward-variants-h100-2026-11-22.txt.
 """
+import dataclasses
 import itertools
 
 import torch
@@ -14,7 +15,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops import cross_entropy as ce
+from llmkernels.ops.cross_entropy import DEFAULT_CONFIG
 
 copy = copy_bandwidth(torch.device("cuda"))
 print(f"copy {copy:.0f} GB/s", flush=True)
@@ -23,12 +24,13 @@ for m, v in [(8192, 32000), (8192, 128256), (4096, 262144)]:
     target = torch.randint(0, v, (m,), device="cuda")
     ref = torch.nn.functional.cross_entropy(logits.float(), target)
     for chunk, warps in itertools.product([4096, 8192, 16384], [8, 16, 32]):
-        ce.CHUNK, ce.CHUNK_WARPS = chunk, warps
+        forward = dataclasses.replace(DEFAULT_CONFIG.forward, block_v=chunk, num_warps=warps)
+        config = dataclasses.replace(DEFAULT_CONFIG, forward=forward)
         with torch.no_grad():
             try:
-                loss = llmkernels.cross_entropy(logits, target)
+                loss = llmkernels.cross_entropy(logits, target, config=config)
                 err = abs(loss.float().item() - ref.item()) / ref.item()
-                ms = do_bench(lambda: llmkernels.cross_entropy(logits, target, check_targets=False),
+                ms = do_bench(lambda: llmkernels.cross_entropy(logits, target, check_targets=False, config=config),
                               return_mode="median")
             except Exception as e:
                 print(f"{m}x{v} chunk={chunk} warps={warps} failed {type(e).__name__}", flush=True)

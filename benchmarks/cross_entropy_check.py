@@ -23,6 +23,7 @@ bandwidth measured first, in the same process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -32,8 +33,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops import _common as common_ops
-from llmkernels.ops import cross_entropy as ce_ops
+from llmkernels.ops.cross_entropy import DEFAULT_CONFIG, SplitInplace
 
 CE_SHAPES = [(8192, 32000), (8192, 128256), (4096, 262144)]
 LCE_SHAPE = (16384, 4096, 128256)
@@ -98,36 +98,14 @@ def check_ce_big(x, t):
     return out
 
 
-# Launch configurations tried by --sweep (the in-place fwd+bwd of each; the forward alone for
-# the two-pass entry): name -> {knob: value}, a knob being a module-level setting of
-# llmkernels.ops.cross_entropy (or, with a "_common." prefix, of llmkernels.ops._common).
+# Launch configurations tried by --sweep (the in-place fwd+bwd of each): the split in-place pass
+# at other slice widths and warps, and the pass that reads each row twice in one program.
 SWEEP = {
-    "split-16k-w8": {"FUSED_SPLIT_V": 16384, "FUSED_SPLIT_WARPS": 8},
-    "split-16k-w16": {"FUSED_SPLIT_V": 16384, "FUSED_SPLIT_WARPS": 16},
-    "split-32k-w16": {"FUSED_SPLIT_V": 32768, "FUSED_SPLIT_WARPS": 16},
-    "split-32k-w32": {"FUSED_SPLIT_V": 32768, "FUSED_SPLIT_WARPS": 32},
-    "two-pass": {"_common.ROW_SPLIT": False},  # each row read twice by one program (before the split)
+    **{f"split-{block_v // 1024}k-w{warps}": dataclasses.replace(
+        DEFAULT_CONFIG, split_inplace=SplitInplace(block_v, warps, results="--sweep"))
+       for block_v, warps in ((16384, 8), (16384, 16), (32768, 16), (32768, 32))},
+    "two-pass": dataclasses.replace(DEFAULT_CONFIG, split_inplace=None),
 }
-
-
-def _module_and_name(knob):
-    return (common_ops, knob[len("_common."):]) if knob.startswith("_common.") else (ce_ops, knob)
-
-
-def set_config(values):
-    """Set the knobs of one SWEEP entry; returns the settings they replaced (for ``restore``)."""
-    saved = {}
-    for knob, value in values.items():
-        module, name = _module_and_name(knob)
-        saved[knob] = getattr(module, name)
-        setattr(module, name, value)
-    return saved
-
-
-def restore(saved):
-    for knob, value in saved.items():
-        module, name = _module_and_name(knob)
-        setattr(module, name, value)
 
 
 def main():
@@ -174,10 +152,9 @@ def main():
                        gbps=nbytes[mode] / ms / 1e6)
                 del xi
             if args.sweep and mode == "fwd+bwd":  # the swept settings are those of the in-place pass
-                for cfg, values in SWEEP.items():
-                    saved = set_config(values)
-                    ms = time_ce(provs["llmkernels_inplace"], x.clone(), t, mode)
-                    restore(saved)
+                for cfg, config in SWEEP.items():
+                    ms = time_ce(lambda x, t: llmkernels.cross_entropy(x, t, inplace_backward=True, config=config),
+                                 x.clone(), t, mode)
                     record(op="cross_entropy", mode=mode, provider=f"llmkernels_inplace[{cfg}]", M=m, V=v, ms=ms,
                            gbps=nbytes[mode] / ms / 1e6)
         del x

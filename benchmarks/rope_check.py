@@ -119,9 +119,10 @@ def main():
             qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if layout == "bhsd" else (q, k)
             qo, ko = torch.empty_like(qv), torch.empty_like(kv)
             cx = cos.expand(B, S, D)
-            print("default config:", rope_ops._config(B * S, HQ, HK, D))
+            print("default config:", rope_ops.rope_config(B * S, HQ, HK, D))
             for cfg in CONFIGS:
-                ms = bench(lambda: rope_ops._rope_launch(qv, kv, cx, cx, None, False, D, False, qo, ko, config=cfg))
+                ms = bench(lambda: rope_ops.rope_launch(qv, kv, cx, cx, None, False, D, False, qo, ko,
+                                                        config=rope_ops.RopeConfig(*cfg)))
                 record("fwd", f"llmkernels{list(cfg)}", ms, config=list(cfg))
             del qo, ko
         for name, fn in provs.items():

@@ -2,6 +2,7 @@
 reductions, ignored rows, label smoothing, z-loss, softcap, return_lse / return_z_loss, the
 in-place gradient, strided logits, every dtype; the loss and every gradient, with outputs
 poisoned with NaN before the kernels write them; bad input; torch.compile."""
+import dataclasses
 import math
 
 import pytest
@@ -41,15 +42,16 @@ def upstream(loss):
     return torch.rand_like(loss, dtype=torch.float32).add_(0.5).to(loss.dtype)
 
 
-def check_ce(logits, target, *, reduction="mean", inplace=False, grad=True, **opts):
-    """Kernel vs float64 reference: loss, z part, lse, and d logits for a random upstream gradient."""
+def check_ce(logits, target, *, reduction="mean", inplace=False, grad=True, config=None, **opts):
+    """Kernel vs float64 reference: loss, z part, lse, and d logits for a random upstream gradient
+    (``config``: the kernels' launch configuration)."""
     dtype = logits.dtype
     ref_leaf = logits.detach().double().requires_grad_(grad)
     ref_loss, ref_z, ref_lse = reference.cross_entropy(ref_leaf, target, reduction=reduction,
                                                        compute_dtype=torch.float64, **opts)
     leaf = logits.detach().clone().requires_grad_(grad)
     out = lk.cross_entropy(leaf, target, reduction=reduction, return_z_loss=True, return_lse=True,
-                           inplace_backward=inplace, **opts)
+                           inplace_backward=inplace, config=config, **opts)
     assert isinstance(out, lk.CrossEntropyOutput)
     assert out.loss.dtype == dtype and out.z_loss.dtype == dtype and out.lse.dtype == torch.float32
     assert_close(out.loss, ref_loss, dtype, "loss")
@@ -69,7 +71,7 @@ def check_ce(logits, target, *, reduction="mean", inplace=False, grad=True, **op
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,v", [(3, 1000), (9, 4099), (3, 20000)])  # 20000 > CHUNK: the online loop
+@pytest.mark.parametrize("m,v", [(3, 1000), (9, 4099), (3, 20000)])  # 20000: the online loop
 def test_matches_reference(m, v, dtype, reduction, device):
     logits, target = make_case(m, v, dtype, device)
     check_ce(logits, target, reduction=reduction)
@@ -108,45 +110,52 @@ def test_matches_torch(reduction, device):
     assert_close(a.grad, b.grad, torch.float32, "dlogits")
 
 
+def with_chunk(config, block_v):
+    """``config`` with every loop over a row in chunks of ``block_v`` columns."""
+    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), block_v=block_v)
+                                          for name in ("forward", "backward", "inplace")})
+
+
 @pytest.mark.parametrize("opts", ["plain", "all"])
-def test_forward_split_over_programs(opts, device, monkeypatch):
+def test_forward_split_over_programs(opts, device):
     """Few rows of a wide vocabulary: the forward alone splits each row over programs (partial
     statistics, then a combine pass). Narrow spans give a row 20 parts, the last one partly
     masked; the separate backward then uses the combined lse."""
-    monkeypatch.setattr(ce_ops, "CHUNK", 1024)
-    assert ce_ops._split_parts(20000, 3) == (20, 1024)
+    config = with_chunk(ce_ops.DEFAULT_CONFIG, 1024)
+    assert ce_ops.split_forward_parts(20000, 3, config) == (20, 1024)
     logits, target = make_case(3, 20000, torch.bfloat16, device, ignored=(0,))
     kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
     for reduction in ("mean", "none"):
-        check_ce(logits, target, reduction=reduction, **kwargs)
+        check_ce(logits, target, reduction=reduction, config=config, **kwargs)
     bad = target.clone()
     bad[2] = 20000
     with pytest.raises(ValueError, match=r"target\[2\] = 20000 is outside"):
-        lk.cross_entropy(logits, bad)
+        lk.cross_entropy(logits, bad, config=config)
 
 
 @pytest.mark.parametrize("opts", ["plain", "all"])
-def test_inplace_rows_split_over_programs(opts, device, monkeypatch):
+def test_inplace_rows_split_over_programs(opts, device):
     """The in-place pass over rows wider than one program: programs sharing a row hold their
     slices in registers (the logits are read once) and exchange the row's statistics. On a GPU
     1024-column slices give 20 parts a row, the last partly masked, and the -inf columns fill
     whole parts; the interpreter runs programs one after another, so there one holds the row."""
     block = 1024 if device == "cuda" else 32768
-    monkeypatch.setattr(ce_ops, "FUSED_SPLIT_V", block)
+    config = dataclasses.replace(ce_ops.DEFAULT_CONFIG,
+                                 split_inplace=dataclasses.replace(ce_ops.DEFAULT_CONFIG.split_inplace, block_v=block))
     m, v = (37, 20000) if device == "cuda" else (5, 20000)
     assert ce_ops.split_grid(v, m, block, torch.device(device))[0] == -(-v // block)
     logits, target = make_case(m, v, torch.bfloat16, device, ignored=(0,))
     kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
     for reduction in ("mean", "none"):
-        check_ce(logits, target, reduction=reduction, inplace=True, **kwargs)
+        check_ce(logits, target, reduction=reduction, inplace=True, config=config, **kwargs)
     if opts == "plain":  # a masked vocabulary range (label smoothing would make the loss infinite)
         logits[:, 2048:5000] = float("-inf")
         target[(target >= 2048) & (target < 5000)] = 7
-        check_ce(logits, target, inplace=True)
+        check_ce(logits, target, inplace=True, config=config)
     bad = target.clone()
     bad[2] = v
     with pytest.raises(ValueError, match=r"target\[2\] = 20000 is outside"):
-        lk.cross_entropy(logits.clone().requires_grad_(), bad, inplace_backward=True)
+        lk.cross_entropy(logits.clone().requires_grad_(), bad, inplace_backward=True, config=config)
 
 
 def test_forward_only_and_default_output(device):
@@ -267,10 +276,11 @@ def test_bad_arguments(device):
 
 
 def test_config_covers_every_width():
+    config = ce_ops.DEFAULT_CONFIG
     for v in [1, 7, 64, 1000, 4096, 8192, 8193, 32000, 128256, 262144]:
-        block_m, block_v, num_warps, one_block = ce_ops._config(v, 4096)
+        block_m, block_v, num_warps, one_block = ce_ops.row_tiles(v, 4096, config.forward)
         assert block_v & (block_v - 1) == 0 and block_m & (block_m - 1) == 0
-        assert (block_v >= v) if one_block else (v > ce_ops.ONE_BLOCK_MAX)  # one block holds the whole row
+        assert (block_v >= v) if one_block else (v > config.one_block_max)  # one block holds the whole row
         assert block_m * block_v <= 16384 and 4 <= num_warps <= 32
 
 
@@ -424,10 +434,10 @@ def test_compile_fullgraph(reduction, device, fresh_dynamo):
 
 def test_opcheck(device):
     logits, target = make_case(5, 300, torch.float32, device)
-    torch.library.opcheck(ce_ops._ce_fwd_op, (logits.requires_grad_(), target, -100, "mean", 0.1, 1e-3, None, True,
+    torch.library.opcheck(ce_ops.CE.op, (logits.requires_grad_(), target, -100, "mean", 0.1, 1e-3, None, True,
                                                True))
     h = torch.randn(6, 8, device=device, requires_grad=True)
     w = torch.randn(20, 8, device=device, requires_grad=True)
-    torch.library.opcheck(lce_ops._lce_fwd_op, (h, w, torch.randint(0, 20, (6,), device=device), None, -100, "sum",
+    torch.library.opcheck(lce_ops.LCE.op, (h, w, torch.randint(0, 20, (6,), device=device), None, -100, "sum",
                                                 0.0, 0.0, 3.0, False, True, 4, torch.float32, [True, True, False]))
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.ops import _common, norm as norm_ops
+from llmkernels.ops import _launch, _rowsplit, norm as norm_ops
 from tests.conftest import INTERPRETED
 from llmkernels.bench.runner import poisoned
 from tests.helpers import REL_TOL, assert_close
@@ -162,7 +162,7 @@ def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     the last one partly masked."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
-    monkeypatch.setattr(_common, "ROW_SPLIT", split)
+    monkeypatch.setattr(_rowsplit, "ROW_SPLIT", split)
     assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
     res = torch.randn(3, n, device=device, dtype=dtype)
@@ -250,7 +250,7 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
     monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages, bwd_w_packed))
-    assert _common.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
+    assert _rowsplit.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),
@@ -261,7 +261,7 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_blocked_path_forced(is_rms, device, monkeypatch):
     """The blocked kernels at a small width (limits lowered), with several rows per head."""
-    monkeypatch.setattr(_common, "ROW_SPLIT", False)
+    monkeypatch.setattr(_rowsplit, "ROW_SPLIT", False)
     monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
     monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False))
@@ -348,7 +348,7 @@ def test_backward_decode_writes_dw_by_columns(is_rms, device, monkeypatch):
 
     def recording_launch(kernel, grid, *args, **kwargs):
         dw_cols.append(kwargs.get("DW_COLS", 0))
-        return _common.launch(kernel, grid, *args, **kwargs)
+        return _launch.launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(norm_ops, "launch", recording_launch)
     if INTERPRETED:
@@ -518,20 +518,20 @@ def test_errors(device):
 def test_pipeline_stages_fit_shared_memory(monkeypatch):
     """Stages are lowered until their buffers (stages - 1 of them) fit a program's shared memory,
     and dropped (0) when not one does; nothing changes off a GPU or without pipelining."""
-    monkeypatch.setattr(_common, "_shared_memory", lambda index: 232448)  # H100
+    monkeypatch.setattr(_launch, "_shared_memory", lambda index: 232448)  # H100
     gpu = torch.device("cuda", 0)
-    assert _common.fit_stages(4, 65536, gpu) == 4  # 3 x 64 KiB
-    assert _common.fit_stages(4, 98304, gpu) == 3  # fp32 x, dy and dh of 8192 columns
-    assert _common.fit_stages(3, 250000, gpu) == 0
-    assert _common.fit_stages(1, 10**9, gpu) == 1 and _common.fit_stages(0, 10**9, gpu) == 0
-    assert _common.fit_stages(4, 10**9, torch.device("cpu")) == 4
+    assert _launch.fit_stages(4, 65536, gpu) == 4  # 3 x 64 KiB
+    assert _launch.fit_stages(4, 98304, gpu) == 3  # fp32 x, dy and dh of 8192 columns
+    assert _launch.fit_stages(3, 250000, gpu) == 0
+    assert _launch.fit_stages(1, 10**9, gpu) == 1 and _launch.fit_stages(0, 10**9, gpu) == 0
+    assert _launch.fit_stages(4, 10**9, torch.device("cpu")) == 4
 
 
 @triton.jit
 def _slot_pair_roundtrip_kernel(SLOTS, NONNEG, VALUE, OUT_NONNEG, OUT_VALUE, K, BLOCK: tl.constexpr):
     idx = tl.arange(0, BLOCK)
-    _common.publish_pair(SLOTS + idx, tl.load(NONNEG + idx), tl.load(VALUE + idx))
-    nonneg, value = _common.collect_pair(SLOTS + idx, idx < K)
+    _rowsplit.publish_pair(SLOTS + idx, tl.load(NONNEG + idx), tl.load(VALUE + idx))
+    nonneg, value = _rowsplit.collect_pair(SLOTS + idx, idx < K)
     tl.store(OUT_NONNEG + idx, nonneg)
     tl.store(OUT_VALUE + idx, value)
 
@@ -583,7 +583,7 @@ def test_heuristics_cover_every_width(n):
         for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
             cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
             assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
-                                   and _common.resident_registers(cfg[1], cfg[2]) >= 128)
+                                   and _rowsplit.resident_registers(cfg[1], cfg[2]) >= 128)
         # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
         assert norm_ops._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
         assert norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
@@ -630,7 +630,7 @@ def test_cpu_without_interpreter_uses_reference():
 
 
 def test_cached_launch_follows_alignment(device):
-    """The cached launch (ops._common.launch) keys compiled kernels on pointer alignment and
+    """The cached launch (ops._launch.launch) keys compiled kernels on pointer alignment and
     stride divisibility: an aligned call, then one on rows at an odd element offset and stride,
     then the aligned one again, each against the reference."""
     n = 256

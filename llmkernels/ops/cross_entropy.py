@@ -17,50 +17,142 @@ One kernel does everything, chosen by constexpr switches:
     upstream gradient (forward + backward: logits read twice, gradient written once);
   - with ``inplace_backward`` the gradient is formed in the forward and written over the logits,
     so training needs no second ``[M, V]`` buffer, and the logits are read once: rows wider than
-    ``ONE_BLOCK_MAX`` are split over programs that each hold a ``FUSED_SPLIT_V``-column slice in
-    registers (as ``exp(z - max)``: one exp an element) and exchange the row's statistics
-    (``_ce_fused_split_kernel``). On H100 this pass runs at 0.87-0.94 x copy counting one read and
-    one write (benchmarks/results/cross-entropy-inplace-h100-2026-11-23/); the earlier pass,
-    which read each row twice in one program, 0.68-0.73 (it remains for the interpreter, which
-    cannot run programs that wait for each other). Rows of up to ``ONE_BLOCK_MAX`` classes are
-    held in registers by one program. The backward only multiplies the gradient by the
-    upstream gradient in place, skipping rows where that is exactly 1 (``loss.backward()``).
-Statistics are fp32 whatever the logits' dtype.
+    one block are split over programs that each hold a slice in registers (as ``exp(z - max)``:
+    one exp an element) and exchange the row's statistics (``_ce_fused_split_kernel``), which
+    keeps the pass near the copy bandwidth; where programs cannot wait for each other (the
+    interpreter) one program reads each row twice. Rows of up to
+    ``CrossEntropyConfig.one_block_max`` classes are held in registers by one program. The
+    backward only multiplies the gradient by the upstream gradient in place, skipping rows
+    where that is exactly 1 (``loss.backward()``).
+Statistics are fp32 whatever the logits' dtype. ``ce_rows`` is the row launcher the fused linear
+cross-entropy (and any loss built on per-row logsumexps) runs over blocks of logits.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference
-from ._common import (cdiv, check_tensor, collect, launch, next_pow2, persistent_programs, publish, row_slice,
-                      split_grid, use_kernels)
+from ._launch import cdiv, check_tensor, launch, next_pow2, persistent_programs, pointer, row_stride, use_kernels
+from ._register import Op
+from ._rowsplit import collect, publish, row_slice, split_grid
+from ._triton import tl, triton
 
-# Launch parameters, chosen by measurement on H100 (benchmarks/cross_entropy_check.py --sweep,
-# benchmarks/results/cross_entropy-h100-2026-11-22.json: no other swept setting was better
-# beyond the run-to-run noise of about 5%).
-ONE_BLOCK_MAX = 8192  # rows up to this many classes are held in registers
-CHUNK = 16384         # V chunk of the online loop for wider rows
-CHUNK_ROWS = 1        # rows per program in the online loop
-CHUNK_WARPS = 8       # 16384 x 8 warps: 0.85/0.97/0.97 x copy at V = 32000/128256/262144 (was
-                      # 8192 x 16: 0.82/0.94/0.94); benchmarks/results/cross_entropy-forward-*.txt
-PER_SM_FWD = 0        # programs per SM of the forward alone (0: one program per row tile)
-PER_SM_GRAD = 4       # ... of the two-pass in-place pass (where rows are not split: the interpreter)
-FUSED_WARPS = 32      # its warps: 0.68-0.75 x copy at 8192 rows (8 warps: 0.55-0.59)
-BWD_WARPS = 32        # the separate backward: 16384 x 32 warps, 2 programs per SM: 0.93-0.94 x copy
-PER_SM_BWD = 2        # at 8192 rows (8 warps, 4 per SM: 0.74-0.80); sweeps in
-                      # benchmarks/results/cross-entropy-session4-h100-2026-11-22/
-FUSED_EVICT = ("evict_last", "evict_first")  # cache policy of the two reads of the in-place pass
-FUSED_SPLIT_V = 32768  # the in-place pass over rows split across programs: columns each holds, and
-FUSED_SPLIT_WARPS = 16  # warps: 0.86/0.90/0.88 x copy at V = 32000/128256/262144 (16384 x 16: 0.70/0.69/0.62;
-                        # 32768 x 32: 0.87/0.80/0.79): benchmarks/results/cross-entropy-inplace-h100-2026-11-23/
 
-SPLIT_ITEMS = 4096    # the forward alone splits rows over programs while rows x parts <= this
-                      # (few rows: the last wave of 250 KB rows left SMs idle; see _split_parts)
+# --------------------------------------------------------------------------------------------
+# launch configurations (chosen by measurement on H100; each names the results that did)
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RowPass:
+    """How ``_ce_kernel`` runs one kind of pass over rows wider than one block: a loop over
+    ``block_v``-column chunks of ``block_m`` rows a program."""
+
+    block_v: int
+    num_warps: int
+    per_sm: int  # programs a multiprocessor of the persistent grid; 0: a program per row tile
+    # cache policy of a row's read for its logsumexp and of its read for the gradient (a pass
+    # that reads a row once makes one of them)
+    evict: tuple
+    results: str  # the measurements that chose it
+    block_m: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitForward:
+    """The forward alone over few rows: each row split over programs that store partial
+    logsumexps (the forward pass's chunk and warps), then a combine kernel; with more rows the
+    last wave of whole-row programs would leave multiprocessors idle."""
+
+    max_items: int  # rows x parts at most
+    results: str
+    combine_rows: int = 128  # rows a program of the combine kernel
+    combine_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInplace:
+    """The in-place pass over rows split across resident programs that exchange the row's
+    statistics (``_ce_fused_split_kernel``): the logits are read once."""
+
+    block_v: int  # columns each program holds in registers
+    num_warps: int
+    results: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyConfig:
+    """The launch configuration of every cross-entropy pass (``DEFAULT_CONFIG``; tests and
+    tuning pass others as ``config=``)."""
+
+    one_block_max: int  # rows up to this many classes are held whole in registers by one program
+    forward: RowPass  # the forward alone
+    backward: RowPass  # the separate backward (re-reads the logits with the forward's lse)
+    inplace: RowPass  # forward and gradient in one program, each row read twice
+    split_forward: SplitForward
+    split_inplace: Optional[SplitInplace]  # None: the in-place pass never splits rows
+    tile_elements: int = 4096  # elements a program holds in the one-block kernel
+    warp_elements: int = 512  # ... a warp of it holds (4 to 32 warps)
+
+
+_SWEEP = "benchmarks/results/cross_entropy-h100-2026-11-22.json"
+_SESSION4 = "benchmarks/results/cross-entropy-session4-h100-2026-11-22/"
+DEFAULT_CONFIG = CrossEntropyConfig(
+    one_block_max=8192,
+    forward=RowPass(block_v=16384, num_warps=8, per_sm=0, evict=("evict_first", "evict_first"),
+                    results="benchmarks/results/cross_entropy-forward-variants-h100-2026-11-22.txt, " + _SWEEP),
+    backward=RowPass(block_v=16384, num_warps=32, per_sm=2, evict=("evict_last", "evict_first"),
+                     results=_SESSION4 + "ce-bwd-inplace-sweep-8192-rows.json"),
+    inplace=RowPass(block_v=16384, num_warps=32, per_sm=4, evict=("evict_last", "evict_first"),
+                    results=_SESSION4 + "ce-bwd-inplace-sweep-8192-rows.json, " + _SWEEP),
+    split_forward=SplitForward(max_items=4096, results=_SESSION4 + "ce-split-forward-and-api.json"),
+    split_inplace=SplitInplace(block_v=32768, num_warps=16,
+                               results="benchmarks/results/cross-entropy-inplace-h100-2026-11-23/"),
+)
+
+
+class RowTiles(NamedTuple):
+    """What one program of ``_ce_kernel`` covers: ``block_m`` rows, ``block_v`` columns a step."""
+
+    block_m: int
+    block_v: int
+    num_warps: int
+    one_block: bool  # the whole row in one block (else a loop over chunks)
+
+
+def row_tiles(v: int, m: int, row_pass: RowPass, config: CrossEntropyConfig = DEFAULT_CONFIG) -> RowTiles:
+    """The tiles of ``m`` rows of ``v`` classes for ``row_pass``: rows up to ``one_block_max``
+    whole in one block, several rows a program up to ``tile_elements``; wider rows chunked."""
+    if v > config.one_block_max:
+        return RowTiles(row_pass.block_m, row_pass.block_v, row_pass.num_warps, False)
+    block_v = max(16, next_pow2(v))
+    block_m = min(max(1, config.tile_elements // block_v), next_pow2(max(m, 1)))
+    return RowTiles(block_m, block_v, min(32, max(4, block_m * block_v // config.warp_elements)), True)
+
+
+def split_forward_parts(v: int, m: int, config: CrossEntropyConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+    """``(parts, span)``: programs per row of the forward alone and the columns each covers (a
+    multiple of the forward's chunk): one program (span V), or as many spans as keep rows x
+    parts <= ``split_forward.max_items``."""
+    chunk = config.forward.block_v
+    if v <= config.one_block_max:
+        return 1, v
+    parts = max(1, min(cdiv(v, chunk), config.split_forward.max_items // max(m, 1)))
+    if parts == 1:
+        return 1, v
+    span = cdiv(cdiv(v, parts), chunk) * chunk
+    return cdiv(v, span), span
+
+
+def inplace_split(v: int, m: int, device: torch.device, config: CrossEntropyConfig = DEFAULT_CONFIG):
+    """``(parts, groups)`` of the in-place pass over rows split across programs, or None: rows
+    held by one block, no split configured, or a split that cannot run here (``split_grid``)."""
+    if v <= config.one_block_max or config.split_inplace is None:
+        return None
+    return split_grid(v, m, config.split_inplace.block_v, device)
+
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -468,78 +560,76 @@ def _finish_kernel(LOSS_ROWS, Z_ROWS, T, COUNT, OUT, OUT_Z, M, ignore_index,
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launchers
 # --------------------------------------------------------------------------------------------
-def _config(v: int, m: int, forward: bool = True, grad: bool = False):
-    """(BLOCK_M, BLOCK_V, num_warps, one_block) for rows of V classes, for the forward alone,
-    the separate backward (``grad``) or the in-place pass (both)."""
-    if v > ONE_BLOCK_MAX:
-        warps = (FUSED_WARPS if forward else BWD_WARPS) if grad else CHUNK_WARPS
-        return CHUNK_ROWS, CHUNK, warps, False
-    block_v = max(16, next_pow2(v))
-    block_m = min(max(1, 4096 // block_v), next_pow2(max(m, 1)))
-    num_warps = min(32, max(4, block_m * block_v // 512))
-    return block_m, block_v, num_warps, True
+def ce_rows(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *, loss: Optional[torch.Tensor] = None,
+            z_loss: Optional[torch.Tensor] = None, dlogits: Optional[torch.Tensor] = None,
+            grad_output: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None,
+            ignore_index: int = -100, smoothing: float = 0.0, z_coef: float = 0.0, softcap: Optional[float] = None,
+            config: Optional[CrossEntropyConfig] = None) -> None:
+    """Per-row cross-entropy over a block of logits: the row launcher of this module.
 
+    ``logits [R, V]`` (unit stride along V; rows may be strided, e.g. a chunk of a bigger
+    block), ``target [R]``, ``lse [R]`` fp32. Nothing is reduced over rows and nothing is
+    allocated but scratch; each output is written in place:
 
-def _split_parts(v: int, m: int) -> tuple[int, int]:
-    """``(parts, span)``: programs per row of the forward alone and the columns each covers (a
-    multiple of CHUNK): one program (span V), or as many spans as keep rows x parts <=
-    SPLIT_ITEMS (a few hundred rows of a 128K vocabulary are under four waves of programs on an
-    H100, and the last wave leaves SMs idle)."""
-    parts = 1 if v <= ONE_BLOCK_MAX else max(1, min(cdiv(v, CHUNK), SPLIT_ITEMS // max(m, 1)))
-    if parts == 1:
-        return 1, v
-    span = cdiv(cdiv(v, parts), CHUNK) * CHUNK
-    return cdiv(v, span), span
+    - ``loss`` given (``[R]`` fp32): the forward. Writes each row's loss (0 for ignored rows,
+      NaN for targets outside ``[0, V)``, which are not read), its z-loss part into ``z_loss``
+      (``[R]`` fp32, optional) and its logsumexp into ``lse``.
+    - ``dlogits`` given (``[R, V]``, strided rows allowed; may be ``logits`` itself): writes
+      ``d loss_row / d logits`` times the row's scale: ``grad_output`` (0-d, or ``[R]`` with any
+      stride: an upstream gradient per row; default 1) times ``1 / count`` when ``count`` (0-d
+      int, the rows of a ``mean``) is given. With ``loss`` too the gradient is formed in the
+      forward, which reads the logits once (``grad_output`` is for a gradient after the
+      forward); without, ``lse`` must hold the rows' logsumexps from an earlier forward.
 
-
-def _launch(logits, target, lse, *, loss=None, z_rows=None, dx=None, g=None, count=None,
-            ignore_index: int, smoothing: float, z_coef: float, softcap: Optional[float]):
-    """Run ``_ce_kernel`` on ``logits [M, V]``. With ``loss``: the forward, writing
-    ``loss``, ``z_rows`` (optional), ``lse``. With ``dx``: the gradient scaled by ``g`` (a 0-d
-    or ``[M]`` tensor, optional) and by ``1 / count`` when ``count`` is given; without ``loss``
-    it uses the ``lse`` of an earlier forward."""
+    ``smoothing``, ``z_coef``, ``softcap`` are ``cross_entropy``'s label_smoothing, z_loss and
+    softcap; ``config`` the launch configuration (default ``DEFAULT_CONFIG``).
+    """
     m, v = logits.shape
     if m == 0:
         return
-    forward, grad = loss is not None, dx is not None
-    parts, span = _split_parts(v, m) if forward and not grad else (1, v)
+    config = config or DEFAULT_CONFIG
+    forward, grad = loss is not None, dlogits is not None
+    if forward and grad_output is not None:
+        raise ValueError("ce_rows: grad_output scales a gradient formed after the forward (loss=None)")
+    cap = 1.0 if softcap is None else softcap
+    parts, span = split_forward_parts(v, m, config) if forward and not grad else (1, v)
     if parts > 1:
         partials = torch.empty((3, m, parts), dtype=torch.float32, device=logits.device)
-        launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0),
-               1.0 if softcap is None else softcap, parts, span, HAS_SMOOTHING=smoothing > 0,
-               HAS_SOFTCAP=softcap is not None, BLOCK_V=CHUNK, num_warps=CHUNK_WARPS)
-        launch(_ce_combine_kernel, (cdiv(m, 128),), logits, target, partials, loss,
-               loss if z_rows is None else z_rows, lse, m, v, logits.stride(0), ignore_index, smoothing, z_coef,
-               1.0 if softcap is None else softcap, parts, PARTS_POW2=next_pow2(parts),
-               HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
-               HAS_SOFTCAP=softcap is not None, BLOCK_R=128, num_warps=4)
+        launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0), cap, parts, span,
+               HAS_SMOOTHING=smoothing > 0, HAS_SOFTCAP=softcap is not None, BLOCK_V=config.forward.block_v,
+               num_warps=config.forward.num_warps)
+        combine = config.split_forward
+        launch(_ce_combine_kernel, (cdiv(m, combine.combine_rows),), logits, target, partials, loss,
+               pointer(z_loss, loss), lse, m, v, logits.stride(0), ignore_index, smoothing, z_coef, cap, parts,
+               PARTS_POW2=next_pow2(parts), HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0,
+               STORE_Z=z_loss is not None, HAS_SOFTCAP=softcap is not None, BLOCK_R=combine.combine_rows,
+               num_warps=combine.combine_warps)
         return
-    split = split_grid(v, m, FUSED_SPLIT_V, logits.device) if forward and grad and v > ONE_BLOCK_MAX else None
+    split = inplace_split(v, m, logits.device, config) if forward and grad else None
     if split is not None:
         parts, groups = split
+        split_pass = config.split_inplace
         launch(_ce_fused_split_kernel, (groups * parts,),
-               logits, target, loss, loss if z_rows is None else z_rows, lse, dx, lse if count is None else count,
+               logits, target, loss, pointer(z_loss, loss), lse, dlogits, pointer(count, lse),
                torch.zeros((m, parts, 4), dtype=torch.int64, device=logits.device),
-               m, v, logits.stride(0), dx.stride(0), ignore_index, smoothing, z_coef,
-               1.0 if softcap is None else softcap,
-               MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
-               HAS_SOFTCAP=softcap is not None, PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_V=FUSED_SPLIT_V,
-               num_warps=FUSED_SPLIT_WARPS)
+               m, v, logits.stride(0), dlogits.stride(0), ignore_index, smoothing, z_coef, cap,
+               MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_loss is not None,
+               HAS_SOFTCAP=softcap is not None, PARTS=parts, PARTS_POW2=next_pow2(parts),
+               BLOCK_V=split_pass.block_v, num_warps=split_pass.num_warps)
         return
-    block_m, block_v, num_warps, one_block = _config(v, m, forward, grad)
+    row_pass = (config.inplace if forward else config.backward) if grad else config.forward
+    block_m, block_v, num_warps, one_block = row_tiles(v, m, row_pass, config)
     tiles = cdiv(m, block_m)
-    per_sm = (PER_SM_GRAD if forward else PER_SM_BWD) if grad else PER_SM_FWD
-    programs = tiles if per_sm == 0 else min(tiles, persistent_programs(logits.device, per_sm))
+    programs = tiles if row_pass.per_sm == 0 else min(tiles, persistent_programs(logits.device, row_pass.per_sm))
     launch(_ce_kernel, (programs,),
-        logits, target, lse if loss is None else loss, lse if z_rows is None else z_rows, lse,
-        logits if dx is None else dx, lse if g is None else g, lse if count is None else count,
-        m, v, logits.stride(0), 0 if dx is None else dx.stride(0),
-        0 if g is None or g.dim() == 0 else g.stride(0), ignore_index,
-        smoothing, z_coef, 1.0 if softcap is None else softcap,
-        FORWARD=forward, GRAD=grad, HAS_G=g is not None, MEAN=count is not None,
-        HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_rows is not None,
-        HAS_SOFTCAP=softcap is not None, PASS1_EVICT=FUSED_EVICT[0] if grad else "evict_first",
-        PASS2_EVICT=FUSED_EVICT[1] if forward else "evict_first",
+        logits, target, pointer(loss, lse), pointer(z_loss, lse), lse,
+        pointer(dlogits, logits), pointer(grad_output, lse), pointer(count, lse),
+        m, v, logits.stride(0), row_stride(dlogits),
+        0 if grad_output is None or grad_output.dim() == 0 else grad_output.stride(0), ignore_index,
+        smoothing, z_coef, cap,
+        FORWARD=forward, GRAD=grad, HAS_G=grad_output is not None, MEAN=count is not None,
+        HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_loss is not None,
+        HAS_SOFTCAP=softcap is not None, PASS1_EVICT=row_pass.evict[0], PASS2_EVICT=row_pass.evict[1],
         BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block, num_warps=num_warps,
     )
 
@@ -619,8 +709,8 @@ def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str,
     if reduction == "mean":
         out_count = count if count is not None else torch.empty((), dtype=torch.int64, device=dev)
     block, num_warps = _one_program_block(m)
-    launch(_finish_kernel, (1,), loss_rows, loss_rows if z_rows is None else z_rows, target,
-           loss_rows if out_count is None else out_count, loss, loss if z is None else z, m, ignore_index,
+    launch(_finish_kernel, (1,), loss_rows, pointer(z_rows, loss_rows), target,
+           pointer(out_count, loss_rows), loss, pointer(z, loss), m, ignore_index,
            REDUCE=reduce, MEAN=out_count is not None, HAS_Z=z is not None, COUNT_GIVEN=count is not None,
            BLOCK=block, num_warps=num_warps)
     if want_z and z is None:
@@ -629,114 +719,91 @@ def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str,
 
 
 def _ce_forward(logits, target, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
-                softcap: Optional[float], want_z: bool, check: bool, dx: Optional[torch.Tensor] = None):
-    """Forward of ``cross_entropy``. With ``dx`` (``logits`` itself, or a ``[M, V]`` buffer),
-    also writes the gradient of the reduced loss for an upstream gradient of 1.
+                softcap: Optional[float], want_z: bool, check: bool, config: Optional[CrossEntropyConfig] = None,
+                dlogits: Optional[torch.Tensor] = None):
+    """Forward of ``cross_entropy``. With ``dlogits`` (``logits`` itself, or a ``[M, V]``
+    buffer), also writes the gradient of the reduced loss for an upstream gradient of 1.
     Returns (loss, z-loss part or None, lse [M] fp32, count (0-d int64, ``mean`` only) or None)."""
     m, v = logits.shape
     pending = start_target_check(target, v, ignore_index) if check else None
     lse, loss_rows, z_rows = row_buffers(m, want_z, z_coef, logits.device)
     # A gradient formed in this pass needs 1 / count before the rows are summed.
-    count = count_rows(target, ignore_index) if dx is not None and reduction == "mean" else None
-    _launch(logits, target, lse, loss=loss_rows, z_rows=z_rows, dx=dx, count=count,
-            ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    count = count_rows(target, ignore_index) if dlogits is not None and reduction == "mean" else None
+    ce_rows(logits, target, lse, loss=loss_rows, z_loss=z_rows, dlogits=dlogits, count=count,
+            ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap, config=config)
     loss, z, count = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
                                  want_z=want_z, dtype=logits.dtype, count=count)
     finish_target_check(pending, target, v, ignore_index)
     return loss, z, lse, count
 
 
-def _ce_backward(grad, logits, target, lse, count, ignore_index: int, smoothing: float, z_coef: float,
-                 softcap: Optional[float]):
+def _ce_forward_inplace(logits, *args, config: Optional[CrossEntropyConfig] = None):
+    """The forward that writes the gradient over the logits (``inplace_backward``)."""
+    return _ce_forward(logits, *args, config=config, dlogits=logits)
+
+
+def _ce_backward_launcher(grad, logits, target, lse, count, ignore_index: int, smoothing: float, z_coef: float,
+                          softcap: Optional[float], config: Optional[CrossEntropyConfig] = None):
     """The separate backward: re-reads the logits, with the forward's ``lse``."""
     dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch(logits, target, lse, dx=dx, g=grad, count=count, ignore_index=ignore_index,
-            smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    ce_rows(logits, target, lse, dlogits=dx, grad_output=grad, count=count, ignore_index=ignore_index,
+            smoothing=smoothing, z_coef=z_coef, softcap=softcap, config=config)
     return dx
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode; custom ops (separate backward) for torch.compile
+# registration: eager autograd and torch.compile custom ops (llmkernels::cross_entropy_fwd /
+# cross_entropy_bwd); the in-place gradient is an eager-only variant (torch.compile plans the
+# logits' memory itself).
 # --------------------------------------------------------------------------------------------
-class _CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, inplace, check):
-        needs_grad = ctx.needs_input_grad[0]
-        ctx.fused = needs_grad and inplace
-        loss, z, lse, count = _ce_forward(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
-                                          want_z, check, dx=logits if ctx.fused else None)
-        if ctx.fused:
-            # Other autograd nodes that saved these logits now fail loudly instead of silently
-            # using the gradient.
-            torch.autograd.graph.increment_version(logits)
-            ctx.save_for_backward(logits)
-            ctx.consumed = False
-        elif needs_grad:
-            ctx.save_for_backward(logits, target, lse, count)
-            ctx.options = (ignore_index, smoothing, z_coef, softcap)
-        ctx.mark_non_differentiable(lse, *([] if z is None else [z]))
-        return loss, z, lse
-
-    @staticmethod
-    def backward(ctx, grad, grad_z, grad_lse):
-        if ctx.fused:
-            if ctx.consumed:
-                raise RuntimeError("cross_entropy(inplace_backward=True) formed its gradient in the forward and "
-                                   "scaled it in place: backward can run through it only once")
-            ctx.consumed = True
-            (dx,) = ctx.saved_tensors
-            scale_rows_(dx, grad)
-            return dx, None, None, None, None, None, None, None, None, None
-        logits, target, lse, count = ctx.saved_tensors
-        dx = _ce_backward(grad, logits, target, lse, count, *ctx.options)
-        return dx, None, None, None, None, None, None, None, None, None
-
-
-@torch.library.custom_op("llmkernels::cross_entropy_fwd", mutates_args=())
-def _ce_fwd_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, smoothing: float,
-               z_coef: float, softcap: Optional[float], want_z: bool,
-               check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    loss, z, lse, count = _ce_forward(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
-                                      want_z, check)
-    empty = logits.new_empty(0, dtype=torch.float32)
-    return loss, (empty if z is None else z), lse, (target.new_empty(0, dtype=torch.int64) if count is None else count)
-
-
-@_ce_fwd_op.register_fake
-def _(logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check):
+def _ce_fake(logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check):
     m = logits.shape[0]
     loss = logits.new_empty((m,) if reduction == "none" else ())
-    z = loss.new_empty(loss.shape) if want_z else logits.new_empty(0, dtype=torch.float32)
-    count = target.new_empty((), dtype=torch.int64) if reduction == "mean" else target.new_empty(0, dtype=torch.int64)
-    return loss, z, logits.new_empty(m, dtype=torch.float32), count
+    count = target.new_empty((), dtype=torch.int64) if reduction == "mean" else None
+    return loss, (loss.new_empty(loss.shape) if want_z else None), logits.new_empty(m, dtype=torch.float32), count
 
 
-@torch.library.custom_op("llmkernels::cross_entropy_bwd", mutates_args=())
-def _ce_bwd_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-               count: Optional[torch.Tensor], ignore_index: int, smoothing: float, z_coef: float,
-               softcap: Optional[float]) -> torch.Tensor:
-    return _ce_backward(grad, logits, target, lse, count, ignore_index, smoothing, z_coef, softcap)
-
-
-@_ce_bwd_op.register_fake
-def _(grad, logits, target, lse, count, ignore_index, smoothing, z_coef, softcap):
-    return logits.new_empty(logits.shape)
-
-
-def _ce_op_setup_context(ctx, inputs, output):
+def _ce_setup(ctx, inputs, outputs, config: Optional[CrossEntropyConfig] = None):
     logits, target, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check = inputs
-    _, _, lse, count = output
+    _, _, lse, count = outputs
     ctx.save_for_backward(logits, target, lse, count if reduction == "mean" else None)
     ctx.options = (ignore_index, smoothing, z_coef, softcap)
+    ctx.config = config
 
 
-def _ce_op_backward(ctx, grad, grad_z, grad_lse, grad_count):
+def _ce_backward(ctx, bwd, grad, *_):
     logits, target, lse, count = ctx.saved_tensors
-    dx = _ce_bwd_op(grad, logits, target, lse, count, *ctx.options)
-    return dx, None, None, None, None, None, None, None, None
+    return (bwd(grad, logits, target, lse, count, *ctx.options, config=ctx.config),)
 
 
-torch.library.register_autograd("llmkernels::cross_entropy_fwd", _ce_op_backward, setup_context=_ce_op_setup_context)
+CE = Op("cross_entropy", forward=_ce_forward, setup=_ce_setup, backward=_ce_backward, grad_inputs=(0,), returns=3,
+        non_differentiable=(1, 2), fake=_ce_fake,
+        schema="(Tensor logits, Tensor target, SymInt ignore_index, str reduction, float smoothing, float z_coef, "
+               "float? softcap, bool want_z, bool check) -> (Tensor, Tensor, Tensor, Tensor)",
+        backward_launcher=_ce_backward_launcher,
+        backward_fake=lambda grad, logits, *_: logits.new_empty(logits.shape),
+        backward_schema="(Tensor grad, Tensor logits, Tensor target, Tensor lse, Tensor? count, SymInt ignore_index, "
+                        "float smoothing, float z_coef, float? softcap) -> Tensor")
+
+
+def _ce_inplace_setup(ctx, inputs, outputs, config: Optional[CrossEntropyConfig] = None):
+    logits = inputs[0]
+    # Other autograd nodes that saved these logits now fail loudly instead of silently using the
+    # gradient written over them.
+    torch.autograd.graph.increment_version(logits)
+    ctx.save_for_backward(logits)
+
+
+def _ce_inplace_backward(ctx, _, grad, *__):
+    (dx,) = ctx.saved_tensors
+    scale_rows_(dx, grad)
+    return (dx,)
+
+
+CE_INPLACE = Op("cross_entropy_inplace", forward=_ce_forward_inplace, setup=_ce_inplace_setup,
+                backward=_ce_inplace_backward, grad_inputs=(0,), returns=3, non_differentiable=(1, 2), base=CE,
+                once="cross_entropy(inplace_backward=True) formed its gradient in the forward and scaled it in "
+                     "place: backward can run through it only once")
 
 
 # --------------------------------------------------------------------------------------------
@@ -757,6 +824,7 @@ def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap
 
 
 def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
+    """Validate class indices ``target [m]`` for ``m`` rows of ``rows_of`` (an argument's name)."""
     check_tensor("target", target, like=like, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got dtype {target.dtype}")
@@ -766,6 +834,7 @@ def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
 
 
 def package_output(loss, z, lse, return_z_loss: bool, return_lse: bool):
+    """``loss``, or the :class:`CrossEntropyOutput` the ``return_*`` flags ask for."""
     if not (return_z_loss or return_lse):
         return loss
     return CrossEntropyOutput(loss, z.detach() if return_z_loss else None, lse.detach() if return_lse else None)
@@ -774,7 +843,7 @@ def package_output(loss, z, lse, return_z_loss: bool, return_lse: bool):
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
                   return_z_loss: bool = False, return_lse: bool = False, inplace_backward: bool = False,
-                  check_targets: bool = True):
+                  check_targets: bool = True, config: Optional[CrossEntropyConfig] = None):
     """Cross-entropy of ``logits [M, V]`` against class indices ``target [M]``.
 
     Equal to ``torch.nn.functional.cross_entropy(logits, target, ignore_index=...,
@@ -801,13 +870,16 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             are overwritten** (autograd raises if another op saved them for its backward), and
             the backward can run only once. The backward multiplies by the upstream gradient
             in place, a pass it skips when that is exactly 1 (``loss.backward()``). Ignored
-            under torch.compile. (On H100 1.4x faster than the default, which reads the logits twice;
-            see the module notes.)
+            under torch.compile. (Faster than the default, which reads the logits twice; see the
+            module notes.)
         check_targets: raise ValueError when a target is outside ``[0, V)`` and not
             ``ignore_index``. A small kernel searches the targets before the main kernel and
             the host waits for that one alone (not for the kernels queued after it; skipped
             during CUDA graph capture). With ``False`` there is no wait, and such rows give a
             NaN loss. Either way no memory outside the logits is read.
+        config: the launch configuration of the kernels (a :class:`CrossEntropyConfig`, for
+            tests and tuning); default ``DEFAULT_CONFIG``, the measured one. Not used under
+            torch.compile.
 
     Returns:
         ``loss`` in the logits' dtype (0-d, or ``[M]`` for ``"none"``), or a
@@ -831,10 +903,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         return package_output(loss, z, lse, return_z_loss, return_lse)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if torch.compiler.is_compiling():
-        loss, z, lse, _ = _ce_fwd_op(logits, target, ignore_index, reduction, smoothing, z_coef, softcap,
-                                     return_z_loss, check_targets)
-    else:
-        loss, z, lse = _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, smoothing, z_coef,
-                                                   softcap, return_z_loss, inplace_backward, check_targets)
+    op = CE_INPLACE if inplace_backward else CE
+    loss, z, lse = op(logits, target, ignore_index, reduction, smoothing, z_coef, softcap, return_z_loss,
+                      check_targets, config=config)
     return package_output(loss, z, lse, return_z_loss, return_lse)

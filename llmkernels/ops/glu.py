@@ -32,17 +32,16 @@ about ``TILE_ELEMENTS`` elements on a 1-D grid, column tiles fastest.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference
-from ._common import as_rows, cdiv, check_tensor, launch, next_pow2, use_kernels
+from ._launch import as_rows, cdiv, check_tensor, launch, next_pow2, use_kernels
+from ._register import Op
+from ._triton import tl, triton
 
 ACTIVATIONS = reference.GLU_ACTIVATIONS
-# Elements a program moves per tensor, widest column tile, warps (16 elements a thread). On
-# H100, bf16, 256 MiB per tensor, I = 4096 and 14336 (benchmarks/results/nvidia-h100-80gb-hbm3-
-# 2026-11-22-session2/glu/tune.log): every tile of 2048-8192 elements, 4 or 8 warps, ran fwd and
-# bwd at 100-102% of the copy bandwidth, strided halves of a fused gate_up too.
+# Elements a program moves per tensor, widest column tile, warps (16 elements a thread): every
+# tile of 2048-8192 elements at 4 or 8 warps ran at the copy bandwidth
+# (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-22-session2/glu/tune.log).
 TILE_ELEMENTS = 4096
 MAX_BLOCK_N = 2048
 NUM_WARPS = 8
@@ -156,81 +155,54 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, and the same launchers registered as custom
-# ops for torch.compile (no graph break: the compiler sees two opaque ops with fake kernels).
+# registration: eager autograd and torch.compile custom ops (llmkernels::glu_fwd / glu_bwd).
 # Only gate and up are saved; the backward recomputes the activation.
 # --------------------------------------------------------------------------------------------
-class _GluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        return _glu_fwd(gate, up, activation)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation)
-        return d_gate, d_up, None
-
-
-class _GluLinearFunction(torch.autograd.Function):
-    """``F.linear(glu(gate, up), weight, bias)`` saving gate, up and weight, not the product:
-    the backward recomputes it in the pass that forms d_gate and d_up."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight, bias, activation):
-        ctx.save_for_backward(gate, up, weight)
-        ctx.activation, ctx.has_bias = activation, bias is not None
-        return torch.nn.functional.linear(_glu_fwd(gate, up, activation), weight, bias)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):
-        gate, up, weight = ctx.saved_tensors
-        d_out = as_rows(d_out, d_out.shape[-1])
-        dy = torch.mm(d_out, weight)  # [M, I], overwritten with the recomputed product below
-        d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation, store_y=True)
-        d_weight = torch.mm(d_out.t(), dy) if ctx.needs_input_grad[2] else None
-        d_bias = d_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return d_gate, d_up, d_weight, d_bias, None
-
-
-@torch.library.custom_op("llmkernels::glu_fwd", mutates_args=())
-def _glu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return _glu_fwd(gate, up, activation)
-
-
-@_glu_fwd_op.register_fake
-def _(gate, up, activation):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("llmkernels::glu_bwd", mutates_args=())
-def _glu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _glu_bwd(dy, gate, up, activation)
-
-
-@_glu_bwd_op.register_fake
-def _(dy, gate, up, activation):
-    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
-
-
-def _glu_op_setup_context(ctx, inputs, output):
+def _glu_setup(ctx, inputs, output):
     gate, up, activation = inputs
     ctx.save_for_backward(gate, up)
     ctx.activation = activation
 
 
-def _glu_op_backward(ctx, dy):
+def _glu_backward(ctx, bwd, dy):
     gate, up = ctx.saved_tensors
-    d_gate, d_up = _glu_bwd_op(dy, gate, up, ctx.activation)
-    return d_gate, d_up, None
+    return bwd(dy, gate, up, ctx.activation)
 
 
-torch.library.register_autograd("llmkernels::glu_fwd", _glu_op_backward, setup_context=_glu_op_setup_context)
+GLU = Op("glu", forward=_glu_fwd, setup=_glu_setup, backward=_glu_backward, grad_inputs=(0, 1),
+         once_differentiable=True, fake=lambda gate, up, activation: gate.new_empty(gate.shape),
+         schema="(Tensor gate, Tensor up, str activation) -> Tensor", backward_launcher=_glu_bwd,
+         backward_fake=lambda dy, gate, up, activation: (gate.new_empty(gate.shape), gate.new_empty(gate.shape)),
+         backward_schema="(Tensor dy, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)")
+
+
+def _glu_linear_fwd(gate, up, weight, bias, activation):
+    return torch.nn.functional.linear(_glu_fwd(gate, up, activation), weight, bias)
+
+
+def _glu_linear_setup(ctx, inputs, output):
+    gate, up, weight, bias, activation = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.activation, ctx.has_bias = activation, bias is not None
+
+
+def _glu_linear_backward(ctx, bwd, d_out):
+    gate, up, weight = ctx.saved_tensors
+    d_out = as_rows(d_out, d_out.shape[-1])
+    dy = torch.mm(d_out, weight)  # [M, I], overwritten with the recomputed product below
+    d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation, store_y=True)
+    d_weight = torch.mm(d_out.t(), dy) if ctx.needs_input_grad[2] else None
+    d_bias = d_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+    return d_gate, d_up, d_weight, d_bias
+
+
+# ``F.linear(glu(gate, up), weight, bias)`` saving gate, up and weight, not the product: the backward
+# recomputes it in the pass that forms d_gate and d_up. Eager only: torch.compile plans its own
+# recomputation of ``F.linear(glu(...))``.
+GLU_LINEAR = Op("glu_linear", forward=_glu_linear_fwd, setup=_glu_linear_setup, backward=_glu_linear_backward,
+                grad_inputs=(0, 1, 2, 3), once_differentiable=True,
+                base=lambda gate, up, weight, bias, activation: torch.nn.functional.linear(
+                    glu(gate, up, activation), weight, bias))
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,13 +244,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
         return reference.glu(gate, up, activation, compute_dtype=compute)
     shape, n = gate.shape, gate.shape[-1]
     args = (as_rows(gate, n), as_rows(up, n), activation)
-    if torch.compiler.is_compiling():
-        y = _glu_fwd_op(*args)
-    elif torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        y = _GluFunction.apply(*args)
-    else:
-        y = _glu_fwd(*args)  # inference: no autograd node, nothing saved
-    return y.view(shape)
+    return GLU(*args).view(shape)
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -317,10 +283,8 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias:
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
         if bias.dtype != gate.dtype:
             raise TypeError(f"bias dtype {bias.dtype} must equal gate dtype {gate.dtype}")
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (gate, up, weight, bias))
-    if (not needs_grad or torch.compiler.is_compiling() or not use_kernels(gate) or gate.dtype == torch.float64
-            or gate.numel() == 0):
+    if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
         return torch.nn.functional.linear(glu(gate, up, activation), weight, bias)
     shape, n = gate.shape, gate.shape[-1]
-    out = _GluLinearFunction.apply(as_rows(gate, n), as_rows(up, n), weight, bias, activation)
+    out = GLU_LINEAR(as_rows(gate, n), as_rows(up, n), weight, bias, activation)
     return out.view(*shape[:-1], weight.shape[0])

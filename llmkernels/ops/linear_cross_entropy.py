@@ -26,8 +26,9 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ._common import cdiv, check_tensor, use_kernels
-from .cross_entropy import (_launch, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
+from ._launch import cdiv, check_tensor, use_kernels
+from ._register import Op
+from .cross_entropy import (ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
                             package_output, row_buffers, scale_rows_, start_target_check)
 
 ROWS_PER_CHUNK = 2048
@@ -80,9 +81,10 @@ def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=N
             torch.mm(h, weight.t(), out=logits)
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
-        _launch(logits, target[a:b], lse[a:b],
-                loss=None if loss_rows is None else loss_rows[a:b], z_rows=None if z_rows is None else z_rows[a:b],
-                dx=logits if want_grad else None, g=None if g is None else (g if g.dim() == 0 else g[a:b]),
+        ce_rows(logits, target[a:b], lse[a:b],
+                loss=None if loss_rows is None else loss_rows[a:b], z_loss=None if z_rows is None else z_rows[a:b],
+                dlogits=logits if want_grad else None,
+                grad_output=None if g is None else (g if g.dim() == 0 else g[a:b]),
                 count=count, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[a:b])
@@ -103,9 +105,9 @@ def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype):
 def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
                  softcap: Optional[float], want_z: bool, check: bool, chunk_size: Optional[int],
                  accum_dtype: Optional[torch.dtype], need: tuple):
-    """Returns (loss, z part or None, lse [M] fp32, count or None, grad_hidden, grad_weight,
-    grad_bias), the gradients (each None unless ``need``-ed, and only for reductions other
-    than ``"none"``) for an upstream gradient of 1, in the parameters' dtypes."""
+    """Returns (loss, z part or None, lse [M] fp32, grad_hidden, grad_weight, grad_bias), the
+    gradients (each None unless ``need``-ed, and only for reductions other than ``"none"``) for
+    an upstream gradient of 1, in the parameters' dtypes."""
     m, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     pending = start_target_check(target, v, ignore_index) if check else None
@@ -117,23 +119,25 @@ def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
              loss_rows=loss_rows, z_rows=z_rows, ignore_index=ignore_index, smoothing=smoothing,
              z_coef=z_coef, softcap=softcap)
-    loss, z, count = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
-                                 want_z=want_z, dtype=torch.float32, count=count)
+    loss, z, _ = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
+                             want_z=want_z, dtype=torch.float32, count=count)
     finish_target_check(pending, target, v, ignore_index)
-    gh, gw, gb = grads
-    gw = None if gw is None else gw.to(weight.dtype)
-    gb = None if gb is None else gb.to(bias.dtype)
-    return loss, z, lse, count, gh, gw, gb
+    return (loss, z, lse, *_in_dtypes(grads, weight, bias))
 
 
-def _lce_backward(grad, hidden, weight, target, bias, lse, ignore_index: int, smoothing: float, z_coef: float,
-                  softcap: Optional[float], chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
-                  need: tuple):
+def _lce_backward_launcher(grad, hidden, weight, target, bias, lse, ignore_index: int, smoothing: float,
+                           z_coef: float, softcap: Optional[float], chunk_size: Optional[int],
+                           accum_dtype: Optional[torch.dtype], need: tuple):
     """Backward of ``reduction="none"`` (``grad [M]``): recompute each chunk's logits."""
     grads = _grad_buffers(hidden, weight, bias, need, accum_dtype)
     chunk = chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, g=grad,
              ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    return _in_dtypes(grads, weight, bias)
+
+
+def _in_dtypes(grads: tuple, weight, bias) -> tuple:
+    """``(grad_hidden, grad_weight, grad_bias)`` with the accumulated ones in their parameter's dtype."""
     gh, gw, gb = grads
     return gh, (None if gw is None else gw.to(weight.dtype)), (None if gb is None else gb.to(bias.dtype))
 
@@ -147,105 +151,68 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, custom ops for torch.compile
+# registration: eager autograd and torch.compile custom ops (llmkernels::linear_cross_entropy_fwd
+# / _bwd). With "mean" and "sum" the gradients are formed in the forward: the eager variant
+# scales them in place in the backward (once), the custom op's backward multiplies them.
 # --------------------------------------------------------------------------------------------
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z,
-                check, chunk_size, accum_dtype):
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        loss, z, lse, count, gh, gw, gb = _lce_forward(hidden, weight, target, bias, ignore_index, reduction,
-                                                       smoothing, z_coef, softcap, want_z, check, chunk_size,
-                                                       accum_dtype, need)
-        ctx.reduction, ctx.consumed = reduction, False
-        if reduction != "none":
-            ctx.save_for_backward(gh, gw, gb)
-        elif any(need):
-            ctx.save_for_backward(hidden, weight, target, bias, lse)
-            ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need)
-        ctx.mark_non_differentiable(lse, *([] if z is None else [z]))
-        return loss, z, lse
-
-    @staticmethod
-    def backward(ctx, grad, grad_z, grad_lse):
-        if ctx.reduction == "none":
-            hidden, weight, target, bias, lse = ctx.saved_tensors
-            gh, gw, gb = _lce_backward(grad, hidden, weight, target, bias, lse, *ctx.options)
-        else:
-            if ctx.consumed:
-                raise RuntimeError("linear_cross_entropy formed its gradients in the forward and scales them in "
-                                   "place: backward can run through it only once (retain_graph is not supported)")
-            ctx.consumed = True
-            gh, gw, gb = (_scaled(t, grad) for t in ctx.saved_tensors)
-        return gh, gw, None, gb, None, None, None, None, None, None, None, None, None
-
-
-@torch.library.custom_op("llmkernels::linear_cross_entropy_fwd", mutates_args=())
-def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                ignore_index: int, reduction: str, smoothing: float, z_coef: float, softcap: Optional[float],
-                want_z: bool, check: bool, chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
-                need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-    loss, z, lse, _, gh, gw, gb = _lce_forward(hidden, weight, target, bias, ignore_index, reduction, smoothing,
-                                               z_coef, softcap, want_z, check, chunk_size, accum_dtype, tuple(need))
-    # Absent outputs are distinct empty tensors: custom op outputs may not alias each other.
-    return loss, (hidden.new_empty(0) if z is None else z), lse, *(hidden.new_empty(0) if t is None else t
-                                                                     for t in (gh, gw, gb))
-
-
-@_lce_fwd_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
-      accum_dtype, need):
+def _lce_fake(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check,
+              chunk_size, accum_dtype, need):
     m = hidden.shape[0]
     loss = hidden.new_empty((m,) if reduction == "none" else (), dtype=torch.float32)
     fused = reduction != "none"
-    return (loss, loss.new_empty(loss.shape if want_z else 0), hidden.new_empty(m, dtype=torch.float32),
-            hidden.new_empty(hidden.shape if fused and need[0] else 0),
-            weight.new_empty(weight.shape if fused and need[1] else 0),
-            hidden.new_empty(0) if not (fused and need[2]) else bias.new_empty(bias.shape))
+    return (loss, loss.new_empty(loss.shape) if want_z else None, hidden.new_empty(m, dtype=torch.float32),
+            *_grads_fake(hidden, weight, bias, [fused and n for n in need]))
 
 
-@torch.library.custom_op("llmkernels::linear_cross_entropy_bwd", mutates_args=())
-def _lce_bwd_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                bias: Optional[torch.Tensor], lse: torch.Tensor, ignore_index: int, smoothing: float, z_coef: float,
-                softcap: Optional[float], chunk_size: Optional[int], accum_dtype: Optional[torch.dtype],
-                need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _lce_backward(grad, hidden, weight, target, bias, lse, ignore_index, smoothing, z_coef, softcap,
-                          chunk_size, accum_dtype, tuple(need))
-    return tuple(hidden.new_empty(0) if t is None else t for t in grads)
+def _grads_fake(hidden, weight, bias, need):
+    return (hidden.new_empty(hidden.shape) if need[0] else None, weight.new_empty(weight.shape) if need[1] else None,
+            bias.new_empty(bias.shape) if need[2] else None)
 
 
-@_lce_bwd_op.register_fake
-def _(grad, hidden, weight, target, bias, lse, ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype,
-      need):
-    return (hidden.new_empty(hidden.shape if need[0] else 0), weight.new_empty(weight.shape if need[1] else 0),
-            bias.new_empty(bias.shape) if need[2] else hidden.new_empty(0))
-
-
-def _lce_op_setup_context(ctx, inputs, output):
+def _lce_setup(ctx, inputs, outputs):
     (hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
      accum_dtype, need) = inputs
-    _, _, lse, gh, gw, gb = output
     ctx.reduction, ctx.need = reduction, need
     if reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, lse)
+        ctx.save_for_backward(hidden, weight, target, bias, outputs[2])
         ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need)
     else:
-        ctx.save_for_backward(gh, gw, gb)
+        ctx.save_for_backward(*outputs[3:])
 
 
-def _lce_op_backward(ctx, grad, grad_z, grad_lse, grad_gh, grad_gw, grad_gb):
+def _lce_backward(ctx, bwd, grad, *_):
     if ctx.reduction == "none":
         hidden, weight, target, bias, lse = ctx.saved_tensors
-        grads = _lce_bwd_op(grad, hidden, weight, target, bias, lse, *ctx.options)
+        grads = bwd(grad, hidden, weight, target, bias, lse, *ctx.options)
     else:
         grads = tuple(t * grad for t in ctx.saved_tensors)
-    gh, gw, gb = (t if n else None for t, n in zip(grads, ctx.need))
-    return gh, gw, None, gb, None, None, None, None, None, None, None, None, None, None
+    return tuple(t if n else None for t, n in zip(grads, ctx.need))
 
 
-torch.library.register_autograd("llmkernels::linear_cross_entropy_fwd", _lce_op_backward,
-                                setup_context=_lce_op_setup_context)
+LCE = Op("linear_cross_entropy", forward=_lce_forward, setup=_lce_setup, backward=_lce_backward,
+         grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), fake=_lce_fake,
+         schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, str reduction, "
+                "float smoothing, float z_coef, float? softcap, bool want_z, bool check, SymInt? chunk_size, "
+                "ScalarType? accum_dtype, bool[] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+         backward_launcher=_lce_backward_launcher,
+         backward_fake=lambda grad, hidden, weight, target, bias, *rest: _grads_fake(hidden, weight, bias, rest[-1]),
+         backward_schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor lse, "
+                         "SymInt ignore_index, float smoothing, float z_coef, float? softcap, SymInt? chunk_size, "
+                         "ScalarType? accum_dtype, bool[] need) -> (Tensor, Tensor, Tensor)")
+
+
+def _lce_fused_setup(ctx, inputs, outputs):
+    ctx.save_for_backward(*outputs[3:])
+
+
+def _lce_fused_backward(ctx, _, grad, *__):
+    return tuple(_scaled(t, grad) for t in ctx.saved_tensors)
+
+
+LCE_FUSED = Op("linear_cross_entropy_fused", forward=_lce_forward, setup=_lce_fused_setup,
+               backward=_lce_fused_backward, grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), base=LCE,
+               once="linear_cross_entropy formed its gradients in the forward and scales them in place: backward "
+                    "can run through it only once (retain_graph is not supported)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,11 +278,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     grad_on = torch.is_grad_enabled()
     need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad]
-    if torch.compiler.is_compiling():
-        loss, z, lse, *_ = _lce_fwd_op(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef,
-                                       softcap, return_z_loss, check_targets, chunk_size, accum_dtype, need)
-    else:
-        loss, z, lse = _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
-                                                         smoothing, z_coef, softcap, return_z_loss, check_targets,
-                                                         chunk_size, accum_dtype)
+    op = LCE if reduction == "none" else LCE_FUSED
+    loss, z, lse = op(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, return_z_loss,
+                      check_targets, chunk_size, accum_dtype, need)
     return package_output(loss, z, lse, return_z_loss, return_lse)

@@ -25,13 +25,14 @@ import math
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference
-from ._common import (INTERPRET_CONST, as_rows, cdiv, check_tensor, collect, collect_pair, fit_stages, keep_packed,
-                      launch, next_pow2, persistent_programs, publish, publish_pair, resident_registers, row_slice,
-                      split_grid, use_kernels)
+from ._launch import (INTERPRET_CONST, as_rows, cdiv, check_tensor, fit_stages, launch, next_pow2,
+                      persistent_programs, pointer, row_stride, use_kernels)
+from ._register import Op
+from ._rowsplit import (collect, collect_pair, keep_packed, publish, publish_pair, resident_registers, row_slice,
+                        split_grid)
+from ._triton import tl, triton
 
 # Widest row (elements) that the one-pass kernels keep in registers; wider rows take the
 # blocked loop. Chosen by measurement on H100 (benchmarks/results).
@@ -57,7 +58,7 @@ BWD_DECODE_PROGRAMS = 64
 # (RMSNorm?, dtype) -> (columns per program, num_warps, stages: 0 the exchange in step, >= 2 a
 # row ahead with the loads pipelined by Triton, weight slice kept packed: converted to fp32 where
 # used, not held so). LLMKERNELS_ROW_SPLIT=0 turns the split off
-# (``_common.split_grid``; the blocked loops then take every wide row).
+# (``_rowsplit.split_grid``; the blocked loops then take every wide row).
 # H100, 256 MiB (benchmarks/results/tune-norm-h100-2026-11-23/16-*): bf16 RMSNorm 94.5 / 92.8 /
 # 92.3% of copy at 32768 / 65536 / 131072 (the exchange a row ahead with the next row in
 # registers, as before: 76 / 73 / 75), bf16 LayerNorm 90.1 / 89.6 / 87.2 / 86.7 at 16384 ...
@@ -1060,11 +1061,11 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
         parts, groups = split
         block_n, num_warps, per_sm = split_cfg
         launch(_norm_fwd_split_kernel, (groups * parts,),
-            x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
-            y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
+            x, pointer(residual, x), pointer(weight, x), pointer(bias, x),
+            y, pointer(h, y), pointer(mean, y), pointer(rstd, y),
             torch.zeros((m, parts), dtype=torch.int64, device=dev),
             m, n,
-            x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+            x.stride(0), row_stride(residual), y.stride(0), row_stride(h),
             eps, weight_offset,
             IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
             QUANTIZE=quantize, STORE_STATS=store_stats,
@@ -1075,10 +1076,10 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     block_m, block_n, num_warps, one_pass, early_w, tail_n = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
                                                                         x.element_size(), residual is not None)
     launch(_norm_fwd_kernel, (cdiv(m, block_m),),
-        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
-        y, y if h is None else h, y if mean is None else mean, y if rstd is None else rstd,
+        x, pointer(residual, x), pointer(weight, x), pointer(bias, x),
+        y, pointer(h, y), pointer(mean, y), pointer(rstd, y),
         m, n, heads,
-        x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+        x.stride(0), row_stride(residual), y.stride(0), row_stride(h),
         eps, weight_offset,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         PER_HEAD=heads > 1, QUANTIZE=quantize, STORE_STATS=store_stats,
@@ -1132,14 +1133,14 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
                            device=dev) if has_bias else None)
     if m > 0 and split is not None:
         launch(_norm_bwd_split_kernel, (n_progs * parts,),
-               xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
-               dx if dres is None or dres is dx else dres,
-               dx if dw_part is None else dw_part, dx if db_part is None else db_part,
-               rstd if mean is None else mean, rstd,
+               xin, pointer(weight, xin), dy, pointer(dh, dy), dx,
+               pointer(dres, dx),
+               pointer(dw_part, dx), pointer(db_part, dx),
+               pointer(mean, rstd), rstd,
                torch.zeros((m + n_progs, parts, 2), dtype=torch.int64, device=dev),
                m, n,
-               xin.stride(0), dy.stride(0), 0 if dh is None else dh.stride(0), dx.stride(0),
-               0 if dres is None else dres.stride(0),
+               xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0),
+               row_stride(dres),
                weight_offset,
                IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
                HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
@@ -1151,18 +1152,18 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         if not one_pass:
             dots = torch.empty((m, 2), dtype=torch.float32, device=dev)
             launch(_norm_bwd_dots_kernel, (m,),
-                xin, xin if weight is None else weight, dy, rstd if mean is None else mean, rstd, dots,
+                xin, pointer(weight, xin), dy, pointer(mean, rstd), rstd, dots,
                 n, heads, xin.stride(0), dy.stride(0), weight_offset,
                 IS_RMS=is_rms, HAS_W=weight is not None, PER_HEAD=heads > 1, BLOCK_N=8192, num_warps=16,
             )
         launch(_norm_bwd_kernel, (n_progs, heads, n_chunks),
-            xin, xin if weight is None else weight, dy, dy if dh is None else dh, dx,
-            dx if dres is None or dres is dx else dres,
-            dx if dw_part is None else dw_part, dx if db_part is None else db_part,
-            rstd if mean is None else mean, rstd, rstd if dots is None else dots,
+            xin, pointer(weight, xin), dy, pointer(dh, dy), dx,
+            pointer(dres, dx),
+            pointer(dw_part, dx), pointer(db_part, dx),
+            pointer(mean, rstd), rstd, pointer(dots, rstd),
             rows_per_head, n, heads,
-            xin.stride(0), dy.stride(0), 0 if dh is None else dh.stride(0), dx.stride(0),
-            0 if dres is None else dres.stride(0),
+            xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0),
+            row_stride(dres),
             weight_offset,
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
             HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
@@ -1181,110 +1182,74 @@ def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd
         dw = None if weight is None else torch.empty(heads * n, dtype=weight.dtype, device=dev)
         db = torch.empty(heads * n, dtype=bias_dtype, device=dev) if has_bias else None
         block_n = min(64, next_pow2(heads * n))
-        launch(_sum_partials_kernel, (cdiv(heads * n, block_n),), dw_part if dw is not None else db_part,
-               db_part if db is not None else dw_part, dw if dw is not None else db, db if db is not None else dw,
+        launch(_sum_partials_kernel, (cdiv(heads * n, block_n),), pointer(dw_part, db_part),
+               pointer(db_part, dw_part), pointer(dw, db), pointer(db, dw),
                n_progs, heads * n, HAS_W=dw is not None, HAS_B=db is not None, BLOCK_P=32, BLOCK_N=block_n,
                num_warps=4)
     return dx, dres, None if dw is None else dw.view(weight.shape), db
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, and the same launchers registered as custom
-# ops for torch.compile (no graph break: the compiler sees two opaque ops with fake kernels).
+# registration: eager autograd and torch.compile custom ops (llmkernels::norm_fwd / norm_bwd)
 # --------------------------------------------------------------------------------------------
-class _NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype,
-                share_dres):
-        # Reached only when an input needs a gradient (inference calls launch _norm_fwd directly).
-        y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
-                                     out_dtype, h_dtype, True)
-        ctx.save_for_backward(x if h is None else h, weight, mean, rstd)
-        ctx.options = (None if bias is None else (bias.shape, bias.dtype),
-                       None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize,
-                       x.dtype, share_dres)
-        return y, h
-
-    @staticmethod
-    def backward(ctx, dy, dh):
-        xin, weight, mean, rstd = ctx.saved_tensors
-        bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype, share_dres = ctx.options
-        n = xin.shape[1]
-        dx, dres, dw, db = _norm_bwd(
-            as_rows(dy, n), None if dh is None else as_rows(dh, n), xin, weight,
-            None if bias_meta is None else bias_meta[1], mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype,
-            res_dtype, share_dres)
-        db = None if bias_meta is None else db.view(bias_meta[0])
-        return dx, dw, db, dres, None, None, None, None, None, None, None, None
+def _norm_fwd_saving(*args, share_dres: bool = False):
+    """The forward of a call that records an autograd node: the statistics are kept for the
+    backward. (``share_dres``, an option of the call, is for the backward: see ``_norm_setup``.)"""
+    return _norm_fwd(*args, True)
 
 
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
-    """An empty fp32 tensor standing for an absent output of a custom op (ops return tensors)."""
-    return like.new_empty(0, dtype=torch.float32)
+def _norm_fwd_inference(*args, share_dres: bool = False):
+    """The forward of a call that needs no gradient: no statistics."""
+    return _norm_fwd(*args, False)
 
 
-@torch.library.custom_op("llmkernels::norm_fwd", mutates_args=())
-def _norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                 residual: Optional[torch.Tensor], heads: int, eps: float, weight_offset: float, is_rms: bool,
-                 quantize: bool, out_dtype: torch.dtype,
-                 h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize,
-                                 out_dtype, h_dtype, True)
-    # Outputs may not alias each other: each absent one gets its own empty placeholder.
-    return y, (_placeholder(x) if h is None else h), (_placeholder(x) if mean is None else mean), rstd
-
-
-@_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+def _norm_fwd_fake(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
     m, n = x.shape
-    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else _placeholder(x)
-    mean = _placeholder(x) if is_rms else x.new_empty(m, dtype=torch.float32)
+    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else None
+    mean = None if is_rms else x.new_empty(m, dtype=torch.float32)
     return x.new_empty((m, n), dtype=out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
 
 
-@torch.library.custom_op("llmkernels::norm_bwd", mutates_args=())
-def _norm_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, weight: Optional[torch.Tensor],
-                 bias_dtype: Optional[torch.dtype], mean: Optional[torch.Tensor], rstd: torch.Tensor, heads: int,
-                 weight_offset: float,
-                 is_rms: bool, quantize: bool, x_dtype: torch.dtype,
-                 res_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Custom ops may not return outputs that alias each other: dresidual gets its own buffer.
-    dx, dres, dw, db = _norm_bwd(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms,
-                                 quantize, x_dtype, res_dtype)
-    return (dx, _placeholder(xin) if dres is None else dres, _placeholder(xin) if dw is None else dw,
-            _placeholder(xin) if db is None else db)
-
-
-@_norm_bwd_op.register_fake
-def _(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype, res_dtype):
+def _norm_bwd_fake(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype,
+                   res_dtype):
     m, n = xin.shape
-    dres = _placeholder(xin) if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype)
-    dw = _placeholder(xin) if weight is None else weight.new_empty(weight.shape)
-    db = xin.new_empty(heads * n, dtype=bias_dtype) if bias_dtype is not None else _placeholder(xin)
-    return xin.new_empty((m, n), dtype=x_dtype), dres, dw, db
+    return (xin.new_empty((m, n), dtype=x_dtype),
+            None if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype),
+            None if weight is None else weight.new_empty(weight.shape),
+            None if bias_dtype is None else xin.new_empty(heads * n, dtype=bias_dtype))
 
 
-def _norm_op_setup_context(ctx, inputs, output):
+def _norm_setup(ctx, inputs, outputs, share_dres: bool = False):
+    """``share_dres`` (eager only): dx may double as dresidual, a write less (custom ops may not
+    return aliases)."""
     x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype = inputs
-    y, h, mean, rstd = output
+    y, h, mean, rstd = outputs
     ctx.save_for_backward(x if residual is None else h, weight, None if is_rms else mean, rstd)
     ctx.options = (None if bias is None else (bias.shape, bias.dtype),
                    None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize, x.dtype)
+    ctx.share_dres = share_dres
 
 
-def _norm_op_backward(ctx, dy, dh, dmean, drstd):
+def _norm_backward(ctx, bwd, dy, dh, *_):
     xin, weight, mean, rstd = ctx.saved_tensors
     bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
-    has_dh = res_dtype is not None and dh is not None
-    dx, dres, dw, db = _norm_bwd_op(dy.contiguous(), dh.contiguous() if has_dh else None, xin, weight,
-                                    None if bias_meta is None else bias_meta[1], mean, rstd, heads, weight_offset,
-                                    is_rms, quantize, x_dtype, res_dtype)
-    db = None if bias_meta is None else db.view(bias_meta[0])
-    return (dx, dw if weight is not None else None, db,
-            dres if res_dtype is not None else None, None, None, None, None, None, None, None)
+    n = xin.shape[1]
+    dx, dres, dw, db = bwd(as_rows(dy, n), as_rows(dh, n) if res_dtype is not None and dh is not None else None,
+                           xin, weight, None if bias_meta is None else bias_meta[1], mean, rstd, heads,
+                           weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres)
+    return (dx, dw if weight is not None else None, None if bias_meta is None else db.view(bias_meta[0]),
+            dres if res_dtype is not None else None)
 
 
-torch.library.register_autograd("llmkernels::norm_fwd", _norm_op_backward, setup_context=_norm_op_setup_context)
+NORM = Op("norm", forward=_norm_fwd_saving, infer=_norm_fwd_inference, setup=_norm_setup,
+          backward=_norm_backward, grad_inputs=(0, 1, 2, 3), returns=2, fake=_norm_fwd_fake,
+          backward_launcher=_norm_bwd, backward_fake=_norm_bwd_fake,
+          schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt heads, float eps, "
+                 "float weight_offset, bool is_rms, bool quantize, ScalarType out_dtype, ScalarType? h_dtype) "
+                 "-> (Tensor, Tensor, Tensor, Tensor)",
+          backward_schema="(Tensor dy, Tensor? dh, Tensor xin, Tensor? weight, ScalarType? bias_dtype, Tensor? mean, "
+                          "Tensor rstd, SymInt heads, float weight_offset, bool is_rms, bool quantize, "
+                          "ScalarType x_dtype, ScalarType? res_dtype) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1339,15 +1304,9 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
     bias = None if bias is None else bias.contiguous()
     args = (as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), heads, float(eps),
             weight_offset, is_rms, casting == "llama", out_dtype, h_dtype)
-    if torch.compiler.is_compiling():
-        y, h, _, _ = _norm_fwd_op(*args)
-        h = h if residual is not None else None
-    elif not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))):
-        y, h, _, _ = _norm_fwd(*args, False)  # inference: no autograd node, no saved statistics
-    else:
-        # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
-        share_dres = residual is not None and not (x.is_leaf or residual.is_leaf)
-        y, h = _NormFunction.apply(*args, share_dres)
+    # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
+    y, h = NORM(*args, share_dres=residual is not None and not (x.is_leaf or residual.is_leaf))
+    h = h if residual is not None else None  # (under torch.compile, a placeholder)
     if y.dim() != len(shape):
         y = y.view(shape)
     if not prenorm:

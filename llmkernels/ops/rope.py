@@ -25,21 +25,21 @@ fused qkv projection run without copies (the last dimension needs unit stride).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference
-from ._common import cdiv, check_tensor, launch, next_pow2, use_kernels
+from ._launch import cdiv, check_tensor, launch, next_pow2, pointer, use_kernels
+from ._register import Op
+from ._triton import tl, triton
 
 LAYOUTS = ("bhsd", "bshd")
-# Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim). On H100,
-# bf16 q [8, 32, 4096, 128] (benchmarks/results/rope-h100-2026-11-22*.json), forward x copy
-# for [B, H, S, D] / [B, S, H, D]: 4096 (all 32 heads a step) 0.87 / 0.90, 2048 0.93 / 0.95,
-# 1024 0.95 / 0.97; 8 warps slower than 4, 2 warps no faster.
+# Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim), and its
+# warps: smaller steps ran faster down to this one, and 4 warps fastest
+# (benchmarks/results/rope-h100-2026-11-22*.json).
 TILE_ELEMENTS = 1024
+NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,30 +140,40 @@ def _rope_kernel(
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launcher
 # --------------------------------------------------------------------------------------------
-def _config(n_tokens: int, hq: int, hk: int, d: int):
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): about TILE_ELEMENTS elements of q per step;
-    several tokens per program when one token's heads are fewer."""
+class RopeConfig(NamedTuple):
+    """A launch of the RoPE kernel: ``block_t`` tokens a program, ``block_hq`` / ``block_hk``
+    heads of q / k a step, ``num_warps``."""
+
+    block_t: int
+    block_hq: int
+    block_hk: int
+    num_warps: int
+
+
+def rope_config(n_tokens: int, hq: int, hk: int, d: int) -> RopeConfig:
+    """About TILE_ELEMENTS elements of q a step; several tokens a program when one token's heads
+    are fewer."""
     row = next_pow2(d)
     block_hq = min(next_pow2(hq), max(1, TILE_ELEMENTS // row))
     block_hk = min(next_pow2(hk), block_hq)
     block_t = min(next_pow2(n_tokens), max(1, TILE_ELEMENTS // (block_hq * row)))
-    num_warps = 4
-    return block_t, block_hq, block_hk, num_warps
+    return RopeConfig(block_t, block_hq, block_hk, NUM_WARPS)
 
 
-def _rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int, backward: bool,
-                 q_out, k_out, config=None):
-    """Rotate ``q [B, S, Hq, D]`` (and ``k [B, S, Hk, D]``) into ``q_out``/``k_out`` of the
-    same shapes (which may be q/k themselves). All are strided views with unit last stride.
+def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int, backward: bool, q_out, k_out,
+                config: Optional[RopeConfig] = None) -> None:
+    """The launcher: rotate ``q [B, S, Hq, D]`` (and ``k [B, S, Hk, D]``, or None) into
+    ``q_out``/``k_out`` of the same shapes (which may be q/k themselves), ``backward`` rotating
+    the other way (the op's derivative). All are strided views with unit last stride.
     ``cos``/``sin``: ``[B or 1, S, >= R]`` (batch stride 0 to broadcast), or with ``position_ids
-    [B, S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config`` overrides
-    ``_config`` (benchmarks)."""
+    [B, S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
+    :class:`RopeConfig` (tuning), default ``rope_config``'s."""
     bsz, seq, hq, d = q.shape
     hk = 0 if k is None else k.shape[2]
     n_tokens = bsz * seq
     if n_tokens == 0 or hq + hk == 0:
         return
-    block_t, block_hq, block_hk, num_warps = config or _config(n_tokens, hq, hk, d)
+    block_t, block_hq, block_hk, num_warps = config or rope_config(n_tokens, hq, hk, d)
     has_pos = position_ids is not None
     ks = (0, 0, 0) if k is None else (k.stride(0), k.stride(1), k.stride(2))
     kos = (0, 0, 0) if k is None else (k_out.stride(0), k_out.stride(1), k_out.stride(2))
@@ -172,8 +182,8 @@ def _rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: in
     else:
         c_strides, p_strides, max_pos = (cos.stride(0), cos.stride(1)), (0, 0), 0
     launch(_rope_kernel, (cdiv(n_tokens, block_t),),
-        q, q if k is None else k, q_out, q_out if k is None else k_out, cos, sin,
-        position_ids if has_pos else cos,
+        q, pointer(k, q), q_out, pointer(k_out, q_out), cos, sin,
+        pointer(position_ids, cos),
         n_tokens, seq, hq, hk, rotary_dim, d, max_pos,
         q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
         *ks, *kos, *c_strides, *p_strides,
@@ -189,106 +199,73 @@ def _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dty
     laid out in memory like q and k where they are dense."""
     q_out = torch.empty_like(q, dtype=q_dtype)
     k_out = None if k is None else torch.empty_like(k, dtype=k_dtype)
-    _rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out)
+    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out)
     return q_out, k_out
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, and custom ops for torch.compile. The
-# derivative of the op is the op with BACKWARD flipped, so both call themselves in backward.
-# cos, sin and position_ids get no gradient.
+# registration: eager autograd and torch.compile custom ops (llmkernels::rope, and rope_ in
+# place). The derivative of the op is the op with BACKWARD flipped, so its backward calls the op
+# itself (through its autograd when a graph of the backward is wanted: double backward). cos,
+# sin and position_ids get no gradient.
 # --------------------------------------------------------------------------------------------
-class _RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype)
-        return _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        # Unused outputs come as zeros (autograd materializes them), so dq is a tensor, and so
-        # is dk when there is a k.
-        cos, sin, position_ids = ctx.saved_tensors
-        interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
-        # Through the Function only when a graph of the backward is wanted (double backward).
-        fn = _RopeFunction.apply if torch.is_grad_enabled() else _rope
-        dq, dk = fn(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin,
-                    position_ids, interleaved, rotary_dim, not backward, q_dtype, k_dtype)
-        return dq, dk, None, None, None, None, None, None, None, None
-
-
-class _RopeInplaceFunction(torch.autograd.Function):
-    """In place on one tensor: autograd allows a Function that modifies a view in place to
-    return only that tensor, so q and k take one launch each on this (autograd) path."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, position_ids, interleaved, rotary_dim):
-        _rope_launch(x, None, cos, sin, position_ids, interleaved, rotary_dim, False, x, None)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.options = (interleaved, rotary_dim, x.dtype)
-        return x
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin, position_ids = ctx.saved_tensors
-        interleaved, rotary_dim, dtype = ctx.options
-        fn = _RopeFunction.apply if torch.is_grad_enabled() else _rope
-        dx, _ = fn(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, None)
-        return dx, None, None, None, None, None
-
-
 def _unit_last(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("llmkernels::rope", mutates_args=())
-def _rope_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-             position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int, backward: bool,
-             q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype)
-    return q_out, (q.new_empty(0, dtype=k_dtype) if k_out is None else k_out)
+def _rope_fake(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+    return torch.empty_like(q, dtype=q_dtype), None if k is None else torch.empty_like(k, dtype=k_dtype)
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
-    k_out = q.new_empty(0, dtype=k_dtype) if k is None else torch.empty_like(k, dtype=k_dtype)
-    return torch.empty_like(q, dtype=q_dtype), k_out
-
-
-@torch.library.custom_op("llmkernels::rope_", mutates_args=("q", "k"))
-def _rope_inplace_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                     position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int) -> None:
-    _rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k)
-
-
-@_rope_inplace_op.register_fake
-def _(q, k, cos, sin, position_ids, interleaved, rotary_dim):
-    return None
-
-
-def _rope_op_setup_context(ctx, inputs, output):
+def _rope_setup(ctx, inputs, outputs):
     q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype = inputs
-    q_out, k_out = output
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype)
-    ctx.shapes = (q_out.shape, k_out.shape)
+    ctx.shapes = (outputs[0].shape, None if k is None else outputs[1].shape)
 
 
-def _rope_op_backward(ctx, dq, dk):
+def _rope_backward(ctx, rope, dq, dk):
     cos, sin, position_ids = ctx.saved_tensors
     interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
+    # The gradient of an unused output comes as zeros (eager) or None (torch.compile).
     if dq is None:
         dq = cos.new_zeros(ctx.shapes[0], dtype=q_dtype)
     if k_dtype is not None and dk is None:
         dk = cos.new_zeros(ctx.shapes[1], dtype=k_dtype)
-    dq, dk = _rope_op(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin, position_ids,
-                      interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype)
-    return dq, (dk if k_dtype is not None else None), None, None, None, None, None, None, None, None
+    dq, dk = rope(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin, position_ids,
+                  interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype)
+    return dq, (dk if k_dtype is not None else None), None, None
 
 
-torch.library.register_autograd("llmkernels::rope", _rope_op_backward, setup_context=_rope_op_setup_context)
+ROPE = Op("rope", forward=_rope, setup=_rope_setup, backward=_rope_backward, grad_inputs=(0, 1, 2, 3),
+          fake=_rope_fake,
+          schema="(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved, "
+                 "SymInt rotary_dim, bool backward, ScalarType q_dtype, ScalarType k_dtype) -> (Tensor, Tensor)")
+
+
+def _rope_inplace(q, k, cos, sin, position_ids, interleaved, rotary_dim):
+    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k)
+
+
+def _rope_inplace_setup(ctx, inputs, outputs):
+    q, k, cos, sin, position_ids, interleaved, rotary_dim = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.options = (interleaved, rotary_dim, q.dtype)
+
+
+def _rope_inplace_backward(ctx, _, dy):
+    cos, sin, position_ids = ctx.saved_tensors
+    interleaved, rotary_dim, dtype = ctx.options
+    dx, _ = ROPE(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, dtype)
+    return (dx,)
+
+
+# In place. Autograd allows a Function that modifies a view in place to return only that tensor,
+# so a call that needs a gradient rotates q and k in one call each (k None).
+ROPE_INPLACE = Op("rope_", forward=_rope_inplace, setup=_rope_inplace_setup, backward=_rope_inplace_backward,
+                  grad_inputs=(0, 1), mutates=("q", "k"), fake=lambda *args: None,
+                  schema="(Tensor(a0!) q, Tensor(a1!)? k, Tensor cos, Tensor sin, Tensor? position_ids, "
+                         "bool interleaved, SymInt rotary_dim) -> ()")
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,26 +349,20 @@ def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, i
         cos = cos.expand(qv.shape[0], qv.shape[1], cos.shape[-1])
         sin = sin.expand(qv.shape[0], qv.shape[1], sin.shape[-1])
     args = (cos, sin, position_ids, interleaved, rotary_dim)
-    if torch.compiler.is_compiling():
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
-        if inplace and not needs_grad:
-            _rope_inplace_op(qv, kv, *args)
-            return q, k
-        q_out, k_out = _rope_op(qv, kv, *args, False, q_dtype, k_dtype)
-        q_out, k_out = perm(q_out), (None if k is None else perm(k_out))
-        if inplace:
-            return q.copy_(q_out), (None if k is None else k.copy_(k_out))
-        return q_out, k_out
     if inplace:
-        if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
-            _RopeInplaceFunction.apply(qv, *args)
-            if k is not None:
-                _RopeInplaceFunction.apply(kv, *args)
-        else:
-            _rope_launch(qv, kv, *args, False, qv, kv)
-        return q, k
-    q_out, k_out = _RopeFunction.apply(qv, kv, *args, False, q_dtype, k_dtype)
-    return perm(q_out), (None if k_out is None else perm(k_out))
+        if not ROPE_INPLACE.needs_grad((qv, kv)):
+            ROPE_INPLACE(qv, kv, *args)  # the launcher, or the custom op under torch.compile
+            return q, k
+        if not torch.compiler.is_compiling():
+            ROPE_INPLACE(qv, None, *args)
+            if kv is not None:
+                ROPE_INPLACE(kv, None, *args)
+            return q, k
+    q_out, k_out = ROPE(qv, kv, *args, False, q_dtype, k_dtype)
+    q_out, k_out = perm(q_out), (None if k is None else perm(k_out))
+    if inplace:  # under torch.compile: out of place, for the custom op's autograd, then copied
+        return q.copy_(q_out), (None if k is None else k.copy_(k_out))
+    return q_out, k_out
 
 
 def apply_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,

@@ -1,0 +1,288 @@
+"""Where kernels run, what the device offers, argument checks, and the cached kernel launch.
+
+The launch: Triton's ``kernel[grid](...)`` binds the arguments, formats a cache key as a string
+and looks the compiled kernel up on every call, which takes longer on the host than the kernel
+on the GPU at decode sizes. A :class:`Launcher` holds one kernel with its launch options
+and constexprs fixed, keeps the compiled kernels it was given by Triton, keyed on exactly what
+Triton specialises them on, and calls the compiled kernel's launcher directly after the first
+call for a key. ``launch(kernel, grid, *args, **options)`` finds the Launcher of those options.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import torch
+
+from ._triton import HAVE_TRITON, knobs, tl, triton
+
+# Triton's interpreter runs the real kernel code on CPU tensors; it must be chosen before triton
+# is imported, so it is read once here.
+INTERPRET = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET_CONST = tl.constexpr(INTERPRET)
+
+
+def _interpreter_loop_bounds_compat() -> None:
+    """Triton < 3.7's interpreter turns a tensor loop bound (``range(tl.program_id(0), ...)``)
+    into an int with ``int(array)`` of a 1-element 1-D array, which NumPy >= 2.5 refuses
+    (TypeError: only 0-dimensional arrays ...); Triton 3.7+ squeezes first. Do the same there."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_llmkernels", False):
+        return
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        patch_tensor(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._llmkernels = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_loop_bounds_compat()
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on ``t``: Triton is installed and ``t`` is a CUDA
+    tensor, or a CPU tensor under the interpreter. Otherwise the ops fall back to
+    ``llmkernels.reference``."""
+    return HAVE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+# --------------------------------------------------------------------------------------------
+# device queries
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, per_sm: int) -> int:
+    """How many programs a persistent grid should launch: ``per_sm`` per multiprocessor on a
+    GPU; a handful under the interpreter, where every program runs in turn on the CPU."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index) * per_sm
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index: int) -> int:
+    """Shared memory a program may use (opt-in maximum), in bytes."""
+    try:  # Triton's driver utilities are not public API: torch's property is the fallback
+        return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    except (AttributeError, KeyError, TypeError):
+        return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def fit_stages(stages: int, stage_bytes: int, device: torch.device) -> int:
+    """``stages`` of Triton's software pipelining (< 2: none) for a loop that keeps ``stage_bytes``
+    of loads in flight per stage, lowered until its ``stages - 1`` shared-memory buffers fit a
+    program beside its reductions' scratch; 0 (no pipelining) when not even one fits."""
+    if stages < 2 or device.type != "cuda":
+        return stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fit = 1 + (_shared_memory(index) - 8192) // stage_bytes
+    return min(stages, fit) if fit >= 2 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a JIT function, slow to call from Python)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------
+def check_tensor(name: str, t, *, like: torch.Tensor | None = None, like_name: str = "x",
+                 floating: bool = True) -> None:
+    """Raise TypeError/ValueError naming ``name`` when ``t`` is not a tensor, not floating point
+    (when ``floating``), or not on the device of ``like`` (the op's main input, ``like_name``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}: move them to one device")
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View ``t [..., n]`` as ``[rows, n]`` with unit stride along the last dimension, copying
+    only when no such view exists (a transposed last dim, or leading dims that don't merge)."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        return t.reshape(-1, n)
+
+
+def pointer(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """``t``, or ``stand_in`` where ``t`` is absent: a kernel's pointer argument must be a tensor
+    even where a switch (HAS_W, HAS_RES, ...) keeps the kernel from touching it."""
+    return stand_in if t is None else t
+
+
+def row_stride(t: torch.Tensor | None) -> int:
+    """``t.stride(0)``, or 0 for an absent ``t`` (a stride the kernel then never uses)."""
+    return 0 if t is None else t.stride(0)
+
+
+# --------------------------------------------------------------------------------------------
+# the cached launch
+# --------------------------------------------------------------------------------------------
+# Triton compiles a kernel for the dtype and the 16-byte alignment of each tensor argument, and
+# for each int argument whether it is 1, whether it is a multiple of 16, and whether it fits 32
+# bits (else 64, else unsigned 64); floats and bools are not specialised. A fingerprint is that
+# list for one call; ``_fingerprint`` writes it as one tuple expression (what a loop over the
+# arguments computes in twice the time), generated once per sequence of argument kinds.
+_FINGERPRINTS: dict = {}
+
+
+def _fingerprint(args):
+    """The function ``(device, *args) -> key`` for arguments of the kinds of ``args`` (tensor
+    or number at each position; a kernel's signature fixes them). A number's key holds its class
+    too, so an int, a bool and a float never share one. It raises (AttributeError, TypeError)
+    for a tensor where it expects a number or the reverse, and ``_generic_key`` takes over."""
+    kinds = tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float else "number"
+                  for a in args)
+    fingerprint = _FINGERPRINTS.get(kinds)
+    if fingerprint is None:
+        names = [f"a{i}" for i in range(len(args))]
+        number = "({a}.__class__, {a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF)"
+        terms = [f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else
+                 # (a float is not specialised: its class is its key, and a number of another class its own)
+                 f"{a}.__class__ is float or {number.format(a=a)}" if kind == "float" else number.format(a=a)
+                 for a, kind in zip(names, kinds)]
+        namespace: dict = {}
+        exec(f"def fingerprint(device, {', '.join(names)}):\n    return (device, {', '.join(terms)})\n", namespace)
+        fingerprint = _FINGERPRINTS[kinds] = namespace["fingerprint"]
+    return fingerprint
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:
+        return int, a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a <= 0x7FFFFFFFFFFFFFFF
+    return type(a)
+
+
+def _generic_key(device, args) -> tuple:
+    """What ``_fingerprint`` computes, for arguments of any kinds (a slower loop)."""
+    return (device, "generic", *[_arg_key(a) for a in args])
+
+
+def _stream_handle(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# torch's raw-stream query skips building a Stream object; it is not public API, so guarded.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle
+_PUBLIC = object()  # a key whose compiled kernel is launched through ``kernel[grid]`` (no direct handle)
+
+
+# Whether compiled kernels are launched through their own launcher (Triton >= 3.4, where it takes
+# the hooks of ``triton.knobs``; older versions go through ``kernel[grid]``). A launcher whose
+# signature differs at run time turns it off (``Launcher._run``).
+direct = knobs is not None and hasattr(getattr(knobs, "runtime", None), "launch_enter_hook")
+
+
+def _hooked() -> bool:
+    """Whether a launch hook of ``triton.knobs`` is set (a profiler's): those launches go
+    through Triton, which calls the hooks with the launch's metadata. (From Triton 3.5 a hook
+    is a HookChain, always set, that calls nothing while empty.)"""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True)))
+
+
+class Launcher:
+    """``kernel[grid](*args, **options)`` for one kernel and one set of ``options`` (launch options
+    such as ``num_warps`` and every constexpr), with the compiled kernels cached here: call it
+    as ``launcher(grid, *args)``, ``args`` the kernel's runtime arguments in order. Under the
+    interpreter it is the plain Triton call. Resolve one once per configuration and keep it to
+    skip even the lookup of :func:`launcher`."""
+
+    __slots__ = ("kernel", "options", "_compiled", "_fingerprint", "_tail")
+
+    def __init__(self, kernel, options: dict):
+        self.kernel, self.options = kernel, options
+        self._compiled: dict = {}
+        self._fingerprint = None
+        self._tail = None
+
+    def __call__(self, grid: tuple, *args) -> None:
+        if INTERPRET:
+            self.kernel[grid](*args, **self.options)
+            return
+        device = torch.cuda.current_device()
+        try:
+            key = self._fingerprint(device, *args)
+        except (AttributeError, TypeError):  # first call (no fingerprint yet), or unexpected kinds
+            if self._fingerprint is None:
+                self._fingerprint = _fingerprint(args)
+                key = self._fingerprint(device, *args)
+            else:
+                key = _generic_key(device, args)
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **self.options)  # Triton compiles (or finds) it, and launches
+            self._compiled[key] = self._handle(compiled, len(args))
+        elif entry is _PUBLIC or not direct or _hooked():
+            self.kernel[grid](*args, **self.options)
+        else:
+            self._run(entry, grid, device, args)
+
+    def _handle(self, compiled, n_args: int):
+        """What a later call needs to launch ``compiled`` itself: its launcher, function handle
+        and packed metadata (present once Triton has launched it), or _PUBLIC. (The launcher's
+        arguments after those: launch metadata and the enter and exit hooks, None here.)"""
+        if not direct or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return _PUBLIC
+        if self._tail is None:  # the constexprs, passed after the runtime arguments
+            params = inspect.signature(self.kernel.fn).parameters
+            self._tail = tuple(self.options[name] if name in self.options else params[name].default
+                               for name in self.kernel.arg_names[n_args:])
+        return compiled.run, compiled.function, compiled.packed_metadata
+
+    def _run(self, entry, grid, device, args) -> None:
+        run, function, packed = entry
+        try:
+            run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
+                function, packed, None, None, None, *args, *self._tail)
+        except TypeError:
+            # The launcher's signature differs in this Triton version (it parses its arguments
+            # before anything launches; no hook runs in it): launch through Triton from now on.
+            global direct
+            direct = False
+            self.kernel[grid](*args, **self.options)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(kernel, **options) -> Launcher:
+    """The :class:`Launcher` of ``kernel`` with ``options`` (``num_warps=...`` and every
+    constexpr by name), made on first use."""
+    key = (kernel, *options, *options.values())  # (the names, then the values: cheaper to hash than pairs)
+    found = _LAUNCHERS.get(key)
+    if found is None:
+        found = _LAUNCHERS[key] = Launcher(kernel, options)
+    return found
+
+
+def launch(kernel, grid: tuple, *args, **options) -> None:
+    """``kernel[grid](*args, **options)`` through the cached :class:`Launcher` of ``options``.
+    ``args`` are the kernel's runtime arguments in order; ``options`` name ``num_warps`` (and
+    any other launch option) and every remaining parameter."""
+    (_LAUNCHERS.get((kernel, *options, *options.values())) or launcher(kernel, **options))(grid, *args)

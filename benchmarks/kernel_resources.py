@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from llmkernels.ops import norm as N_
-from llmkernels.ops._common import resident_registers
+from llmkernels.ops._rowsplit import resident_registers
 
 CONFIGS = [  # (columns per program, num_warps)
     (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32),

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from ..ops._common import INTERPRET
+    from ..ops._launch import INTERPRET
     from .runner import Runner, Settings
 
     gpu = torch.cuda.is_available()

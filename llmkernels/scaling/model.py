@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import reference
 from ..modules import FusedAddRMSNorm
-from ..ops._common import use_kernels
+from ..ops._launch import use_kernels
 from ..ops.glu import glu
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.rope import apply_rope

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from llmkernels.bench.runner import _graph_latency_ms
-from llmkernels.ops import norm as N_
+from llmkernels.ops.norm import launchers as N_
 
 N = 4096
 OPS = {"rms": (True, False), "ln": (False, False), "add_rms": (True, True)}  # (RMSNorm?, residual?)

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llmkernels.ops import norm as N_
+from llmkernels.ops.norm import launchers as N_
 from llmkernels.ops._rowsplit import resident_registers
 
 CONFIGS = [  # (columns per program, num_warps)

@@ -22,7 +22,8 @@ import triton
 from triton.testing import do_bench
 
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops import _rowsplit as _common, norm as N_
+from llmkernels.ops import _rowsplit as _common
+from llmkernels.ops.norm import launchers as N_
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

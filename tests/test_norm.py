@@ -13,7 +13,8 @@ import triton.language as tl
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.ops import _launch, _rowsplit, norm as norm_ops
+from llmkernels.ops import _launch, _rowsplit
+from llmkernels.ops.norm import configs as norm_cfg, launchers as norm_launch
 from tests.conftest import INTERPRETED
 from llmkernels.bench.runner import poisoned
 from tests.helpers import REL_TOL, assert_close
@@ -163,7 +164,7 @@ def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     monkeypatch.setattr(_rowsplit, "ROW_SPLIT", split)
-    assert n > norm_ops.FWD_ONE_PASS_MAX and n > norm_ops.BWD_ONE_PASS_MAX
+    assert n > norm_cfg.FWD_ONE_PASS_MAX and n > norm_cfg.BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
     res = torch.randn(3, n, device=device, dtype=dtype)
     w = torch.randn(n, device=device)
@@ -180,7 +181,7 @@ def test_split_below_one_pass_max(is_rms, dtype, n, device):
     interpreter): 2-byte rows that do not fill their power of two, every fp32 LayerNorm row.
     20480 and 28672 do not fill whole 8192-column slices: 2-byte rows take 4096-column ones,
     fp32 rows a partly masked last."""
-    cfg = norm_ops._fwd_split_config(is_rms, torch.empty(0, dtype=dtype).element_size(), False, n)
+    cfg = norm_cfg._fwd_split_config(is_rms, torch.empty(0, dtype=dtype).element_size(), False, n)
     assert (cfg is None) == (n == 32768 and dtype == torch.bfloat16 or is_rms and dtype == torch.float32)
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device))
@@ -193,7 +194,7 @@ def test_forward_tail(is_rms, dtype, n, device):
     """Rows of 4353-6144 and 8705-12288 columns: the one-pass forward takes half their power of
     two whole and the rest as a masked power-of-two tail (300 rows: the bandwidth path, not the
     decode rule). The interpreter runs the forced case below."""
-    cfg = norm_ops._fwd_config(n, 300, is_rms, 132, torch.empty(0, dtype=dtype).element_size())
+    cfg = norm_cfg._fwd_config(n, 300, is_rms, 132, torch.empty(0, dtype=dtype).element_size())
     assert cfg[1] < n <= cfg[1] + cfg[5]
     if INTERPRETED:
         pytest.skip("300 rows of these widths take minutes under the interpreter")
@@ -209,7 +210,7 @@ def test_forward_tail_forced(is_rms, n, block_m, device, monkeypatch):
     """The forward's tail at a small width: 64 columns whole and a tail of 32 (the last 16 masked
     at 80), one or two rows a tile (5 rows: the last tile half empty), with and without the
     residual add."""
-    monkeypatch.setattr(norm_ops, "_fwd_config", lambda *_: (block_m, 64, 4, True, False, 32))
+    monkeypatch.setattr(norm_launch, "_fwd_config", lambda *_: (block_m, 64, 4, True, False, 32))
     x = torch.randn(5, n, device=device) + 3.0
     w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
     check_norm(is_rms, x, w, b)
@@ -246,10 +247,10 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
     fwd_per_sm, bwd_stages, bwd_w_packed = SPLIT_MODES[mode]
-    monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
-    monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "_split_config", lambda *_: (128 // parts, 4, bwd_stages, bwd_w_packed))
+    monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_launch, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
+    monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_launch, "_split_config", lambda *_: (128 // parts, 4, bwd_stages, bwd_w_packed))
     assert _rowsplit.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
@@ -262,29 +263,29 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
 def test_blocked_path_forced(is_rms, device, monkeypatch):
     """The blocked kernels at a small width (limits lowered), with several rows per head."""
     monkeypatch.setattr(_rowsplit, "ROW_SPLIT", False)
-    monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 32, 4, False))
-    monkeypatch.setattr(norm_ops, "BWD_BLOCKED", (2, 32, 4, False, 2))
+    monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(norm_cfg, "FWD_BLOCKED", (2, 32, 4, False))
+    monkeypatch.setattr(norm_cfg, "BWD_BLOCKED", (2, 32, 4, False, 2))
     x = torch.randn(2, 5, 3, 100, device=device, dtype=torch.float32)
     check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
     check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
 
 
-@pytest.mark.parametrize("entry", [(key, width) for key, widths in norm_ops._BWD_TABLE_RAGGED.items() for width in widths],
+@pytest.mark.parametrize("entry", [(key, width) for key, widths in norm_cfg._BWD_TABLE_RAGGED.items() for width in widths],
                          ids=lambda e: f"{'rms' if e[0][0] else 'layer'}-{e[0][1]}B-{e[1]}")
 def test_backward_ragged_entries(entry, device):
     """Each entry for rows between two powers of two: taken for the widest row it covers, not
     for the power of two itself; on a GPU, that row's backward (300 rows: the bandwidth path),
     with the residual add for RMSNorm."""
     (is_rms, elem_size), width = entry
-    cfg, widest = norm_ops._BWD_TABLE_RAGGED[is_rms, elem_size][width]
+    cfg, widest = norm_cfg._BWD_TABLE_RAGGED[is_rms, elem_size][width]
     n = width * min(widest, 7) // 8
-    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_ops._bwd_config(n, 300, is_rms, 132, elem_size)
+    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_cfg._bwd_config(n, 300, is_rms, 132, elem_size)
     assert (bm * bn, warps, per_sm, prefetch) == cfg and bn == width
-    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_ops._bwd_config(width, 300, is_rms, 132, elem_size)
-    power_cfg = (norm_ops._BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None) or (
-        norm_ops._BWD_TABLE[is_rms][width])
+    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_cfg._bwd_config(width, 300, is_rms, 132, elem_size)
+    power_cfg = (norm_cfg._BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None) or (
+        norm_cfg._BWD_TABLE[is_rms][width])
     assert (bm * bn, warps, per_sm, prefetch) == power_cfg
     if INTERPRETED:
         pytest.skip("300 rows of thousands of columns take minutes under the interpreter")
@@ -302,7 +303,7 @@ def test_backward_tail(is_rms, n, device):
     """2-byte rows of 8193-12288: the one-pass backward takes 8192 columns whole and a tail (of 8
     columns at 8200), LayerNorm's as well (not its split backward); 300 rows (not the decode
     rule). The interpreter runs the forced case (test_backward_tail_forced)."""
-    bm, bn, _, one_pass, _, max_programs, _, tail_n = norm_ops._bwd_config(n, 300, is_rms, 132, 2)
+    bm, bn, _, one_pass, _, max_programs, _, tail_n = norm_cfg._bwd_config(n, 300, is_rms, 132, 2)
     assert one_pass and bn == 8192 and bn < n <= bn + tail_n and not max_programs
     if INTERPRETED:
         pytest.skip("300 rows of these widths take minutes under the interpreter")
@@ -319,7 +320,7 @@ def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monk
     prefetch then reads nothing past the last row), per-head weights and a residual too; loads
     in the loop, the next tile into registers, or the loop pipelined by Triton in 3 stages."""
     cfg = (2, 128, 4, True, 1, 3, prefetch, 0)  # 3 programs, 2 x 128 tiles
-    monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: cfg)
+    monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: cfg)
     x = torch.randn(5, 3, 100, device=device, dtype=torch.bfloat16)
     check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
     check_norm(is_rms, x, torch.randn(3, 100, device=device), None, torch.randn_like(x), prenorm=True)
@@ -331,7 +332,7 @@ def test_backward_tail_forced(is_rms, prefetch, device, monkeypatch):
     """The one-pass backward with a tail: 64 columns whole and 32 more (the last 16 masked), 2-row
     tiles, 3 programs, the last tile half full; loads in the loop, the next tile into registers,
     or pipelined; with the residual's gradient too."""
-    monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (2, 64, 4, True, 1, 3, prefetch, 32))
+    monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: (2, 64, 4, True, 1, 3, prefetch, 32))
     x = torch.randn(5, 80, device=device) + 3.0
     w, b = torch.randn(80, device=device), None if is_rms else torch.randn(80, device=device)
     check_norm(is_rms, x, w, b)
@@ -350,9 +351,9 @@ def test_backward_decode_writes_dw_by_columns(is_rms, device, monkeypatch):
         dw_cols.append(kwargs.get("DW_COLS", 0))
         return _launch.launch(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(norm_ops, "launch", recording_launch)
+    monkeypatch.setattr(norm_launch, "launch", recording_launch)
     if INTERPRETED:
-        monkeypatch.setattr(norm_ops, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0, 0))
+        monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0, 0))
         shapes = [(9, 300)]
     else:
         shapes = [(m, n) for n in (4096, 3000) for m in (1, 8, 37, 256)]
@@ -380,10 +381,10 @@ def test_per_head_weight(is_rms, device):
 def test_per_head_weight_with_residual(is_rms, blocked, device, monkeypatch):
     """Per-head weights with a fused residual (fp32 residual stream), on both kernel paths."""
     if blocked:  # per-head weights never take the row split
-        monkeypatch.setattr(norm_ops, "FWD_ONE_PASS_MAX", 16)
-        monkeypatch.setattr(norm_ops, "BWD_ONE_PASS_MAX", 16)
-        monkeypatch.setattr(norm_ops, "FWD_BLOCKED", (2, 16, 4, False))
-        monkeypatch.setattr(norm_ops, "BWD_BLOCKED", (2, 16, 4, False, 2))
+        monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 16)
+        monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 16)
+        monkeypatch.setattr(norm_cfg, "FWD_BLOCKED", (2, 16, 4, False))
+        monkeypatch.setattr(norm_cfg, "BWD_BLOCKED", (2, 16, 4, False, 2))
     x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
     res = torch.randn(2, 5, 4, 32, device=device, dtype=torch.float32)
     check_norm(is_rms, x, torch.randn(4, 32, device=device), torch.randn(4, 32, device=device), res, prenorm=True,
@@ -552,7 +553,7 @@ def test_slot_pair_holds_two_values_exactly(device):
 def test_split_backward_config_for_every_dtype():
     """The split backward has a launch configuration for every dtype the kernels take."""
     for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
-        cols, warps, stages, w_packed = norm_ops._split_config(is_rms, dtype)
+        cols, warps, stages, w_packed = norm_cfg._split_config(is_rms, dtype)
         assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
         assert w_packed in (False, True)
 
@@ -562,33 +563,33 @@ def test_split_backward_config_for_every_dtype():
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
         for sms in (0, 132):
-            bm, bn, warps, one_pass, early_w, tail_n = norm_ops._fwd_config(n, m, is_rms, sms)
+            bm, bn, warps, one_pass, early_w, tail_n = norm_cfg._fwd_config(n, m, is_rms, sms)
             assert not early_w or (one_pass and bm == 1 and sms > 0)
             assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-            assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_ops.FWD_ONE_PASS_MAX)
+            assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_cfg.FWD_ONE_PASS_MAX)
             assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and tail_n <= bn // 2)
             assert bm * bn <= 65536
             for elem_size in (2, 4):
-                bm, bn, warps, one_pass, per_sm, max_programs, prefetch, tail_n = norm_ops._bwd_config(
+                bm, bn, warps, one_pass, per_sm, max_programs, prefetch, tail_n = norm_cfg._bwd_config(
                     n, m, is_rms, sms, elem_size)
-                assert per_sm >= 1 and max_programs in (0, norm_ops.BWD_DECODE_PROGRAMS)
+                assert per_sm >= 1 and max_programs in (0, norm_cfg.BWD_DECODE_PROGRAMS)
                 assert not prefetch or (one_pass and not max_programs)
                 assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-                assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_ops.BWD_ONE_PASS_MAX // 2)
+                assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_cfg.BWD_ONE_PASS_MAX // 2)
                 assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and not max_programs)
                 assert bm * bn <= 65536
-    if n > norm_ops.FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
-        narrow = n <= norm_ops.FWD_BLOCKED_HALF_CHUNK_MAX
-        assert norm_ops._fwd_split_config(True, 2, False, n) is not None
-        for is_rms, elem_size, residual in norm_ops.FWD_SPLIT:
-            cfg = norm_ops._fwd_split_config(is_rms, elem_size, residual, n)
+    if n > norm_cfg.FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
+        narrow = n <= norm_cfg.FWD_BLOCKED_HALF_CHUNK_MAX
+        assert norm_cfg._fwd_split_config(True, 2, False, n) is not None
+        for is_rms, elem_size, residual in norm_cfg.FWD_SPLIT:
+            cfg = norm_cfg._fwd_split_config(is_rms, elem_size, residual, n)
             assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
                                    and _rowsplit.resident_registers(cfg[1], cfg[2]) >= 128)
         # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
-        assert norm_ops._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert norm_ops._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert norm_ops._fwd_config(n, 4096, False, 132, 2)[1] == norm_ops.FWD_BLOCKED[1] // (2 if narrow else 1)
-        assert norm_ops._fwd_config(n, 4096, False, 132, 4)[1] == norm_ops.FWD_BLOCKED[1]
+        assert norm_cfg._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
+        assert norm_cfg._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
+        assert norm_cfg._fwd_config(n, 4096, False, 132, 2)[1] == norm_cfg.FWD_BLOCKED[1] // (2 if narrow else 1)
+        assert norm_cfg._fwd_config(n, 4096, False, 132, 4)[1] == norm_cfg.FWD_BLOCKED[1]
 
 
 def test_decode_rules_are_the_measured_configs():
@@ -597,20 +598,20 @@ def test_decode_rules_are_the_measured_configs():
     row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
     M = 256, tiles of 2 at M = 5-16), 4 warps (8 for 4 rows); training sizes and an unknown SM
     count keep the bandwidth tables."""
-    assert norm_ops._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True, 0)
-    assert norm_ops._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True, 0)  # 256 tiles, yet decode
-    assert norm_ops._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True, 0)
-    assert norm_ops._fwd_config(4096, 512, False, 132)[4] is False
-    assert norm_ops._fwd_config(4096, 8, True, 0)[4] is False
-    assert norm_ops._fwd_config(4096, 2**15, True, 132)[4] is False
-    assert norm_ops._fwd_config(256, 8, True, 132)[4] is False  # narrow rows: not measured
-    assert norm_ops._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 8, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 32, False, 132) == (1, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_ops._bwd_config(4096, 2**15, True, 132)[5] == 0
+    assert norm_cfg._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True, 0)
+    assert norm_cfg._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True, 0)  # 256 tiles, yet decode
+    assert norm_cfg._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True, 0)
+    assert norm_cfg._fwd_config(4096, 512, False, 132)[4] is False
+    assert norm_cfg._fwd_config(4096, 8, True, 0)[4] is False
+    assert norm_cfg._fwd_config(4096, 2**15, True, 132)[4] is False
+    assert norm_cfg._fwd_config(256, 8, True, 132)[4] is False  # narrow rows: not measured
+    assert norm_cfg._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 8, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 32, False, 132) == (1, 4096, 4, True, 1, 64, 0, 0)
+    assert norm_cfg._bwd_config(4096, 2**15, True, 132)[5] == 0
 
 
 def test_cpu_without_interpreter_uses_reference():

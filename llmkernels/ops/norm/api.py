@@ -1,0 +1,188 @@
+"""The public API (``rms_norm``, ``layer_norm``) and its registration: eager autograd and the
+torch.compile custom ops ``llmkernels::norm_fwd`` / ``norm_bwd``."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ... import reference
+from .._launch import as_rows, check_tensor, use_kernels
+from .._register import Op
+from .launchers import _norm_bwd, _norm_fwd
+
+
+def _norm_fwd_saving(*args, share_dres: bool = False):
+    """The forward of a call that records an autograd node: the statistics are kept for the
+    backward. (``share_dres``, an option of the call, is for the backward: see ``_norm_setup``.)"""
+    return _norm_fwd(*args, True)
+
+
+def _norm_fwd_inference(*args, share_dres: bool = False):
+    """The forward of a call that needs no gradient: no statistics."""
+    return _norm_fwd(*args, False)
+
+
+def _norm_fwd_fake(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+    m, n = x.shape
+    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else None
+    mean = None if is_rms else x.new_empty(m, dtype=torch.float32)
+    return x.new_empty((m, n), dtype=out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
+
+
+def _norm_bwd_fake(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype,
+                   res_dtype):
+    m, n = xin.shape
+    return (xin.new_empty((m, n), dtype=x_dtype),
+            None if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype),
+            None if weight is None else weight.new_empty(weight.shape),
+            None if bias_dtype is None else xin.new_empty(heads * n, dtype=bias_dtype))
+
+
+def _norm_setup(ctx, inputs, outputs, share_dres: bool = False):
+    """``share_dres`` (eager only): dx may double as dresidual, a write less (custom ops may not
+    return aliases)."""
+    x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype = inputs
+    y, h, mean, rstd = outputs
+    ctx.save_for_backward(x if residual is None else h, weight, None if is_rms else mean, rstd)
+    ctx.options = (None if bias is None else (bias.shape, bias.dtype),
+                   None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize, x.dtype)
+    ctx.share_dres = share_dres
+
+
+def _norm_backward(ctx, bwd, dy, dh, *_):
+    xin, weight, mean, rstd = ctx.saved_tensors
+    bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
+    n = xin.shape[1]
+    dx, dres, dw, db = bwd(as_rows(dy, n), as_rows(dh, n) if res_dtype is not None and dh is not None else None,
+                           xin, weight, None if bias_meta is None else bias_meta[1], mean, rstd, heads,
+                           weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres)
+    return (dx, dw if weight is not None else None, None if bias_meta is None else db.view(bias_meta[0]),
+            dres if res_dtype is not None else None)
+
+
+NORM = Op("norm", forward=_norm_fwd_saving, infer=_norm_fwd_inference, setup=_norm_setup,
+          backward=_norm_backward, grad_inputs=(0, 1, 2, 3), returns=2, fake=_norm_fwd_fake,
+          backward_launcher=_norm_bwd, backward_fake=_norm_bwd_fake,
+          schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt heads, float eps, "
+                 "float weight_offset, bool is_rms, bool quantize, ScalarType out_dtype, ScalarType? h_dtype) "
+                 "-> (Tensor, Tensor, Tensor, Tensor)",
+          backward_schema="(Tensor dy, Tensor? dh, Tensor xin, Tensor? weight, ScalarType? bias_dtype, Tensor? mean, "
+                          "Tensor rstd, SymInt heads, float weight_offset, bool is_rms, bool quantize, "
+                          "ScalarType x_dtype, ScalarType? res_dtype) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def _check_norm_args(x, weight, bias, residual, eps, casting) -> int:
+    """Validate; return the number of heads (1 unless weight is per-head ``[H, D]``)."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalized one)")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("x's last dimension (the normalized one) is empty")
+    if casting not in reference.NORM_CASTINGS:
+        raise ValueError(f"casting must be one of {reference.NORM_CASTINGS}, got {casting!r}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    heads = 1
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_tensor(name, p, like=x)
+        if p.dim() == 1 and p.shape[0] == n:
+            continue
+        if p.dim() == 2 and x.dim() >= 2 and tuple(p.shape) == tuple(x.shape[-2:]):
+            heads = p.shape[0]
+            continue
+        raise ValueError(f"{name} must have shape [{n}] (x's last dim) or [H, D] = x's last two dims "
+                         f"{list(x.shape[-2:])} for per-head norm; got {list(p.shape)}")
+    if weight is not None and bias is not None and weight.shape != bias.shape:
+        raise ValueError(f"bias shape {list(bias.shape)} must match weight shape {list(weight.shape)}")
+    if residual is not None:
+        check_tensor("residual", residual, like=x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {list(residual.shape)} must equal x's shape {list(x.shape)}")
+    return heads
+
+
+def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting, out_dtype):
+    heads = _check_norm_args(x, weight, bias, residual, eps, casting)
+    if not use_kernels(x) or x.dtype == torch.float64:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        fn = reference.rms_norm if is_rms else reference.layer_norm
+        return fn(x, weight, bias, eps=eps, residual=residual, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+                  weight_offset=weight_offset, casting=casting, out_dtype=out_dtype, compute_dtype=compute)
+    weight_offset, out_dtype, h_dtype = reference.resolve_norm_dtypes(
+        x, weight, residual, casting=casting, weight_offset=weight_offset, out_dtype=out_dtype,
+        residual_in_fp32=residual_in_fp32)
+    shape, n = x.shape, x.shape[-1]
+    # Per-head weights are indexed by row % H, so they need contiguous [H, D] rows.
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    args = (as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), heads, float(eps),
+            weight_offset, is_rms, casting == "llama", out_dtype, h_dtype)
+    # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
+    y, h = NORM(*args, share_dres=residual is not None and not (x.is_leaf or residual.is_leaf))
+    h = h if residual is not None else None  # (under torch.compile, a placeholder)
+    if y.dim() != len(shape):
+        y = y.view(shape)
+    if not prenorm:
+        return y
+    if h is None:
+        h = x.to(torch.float32) if residual_in_fp32 else x
+    else:
+        h = h.view(shape)
+    return y, h
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+             eps: float = 1e-6, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
+             residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "llama",
+             out_dtype: Optional[torch.dtype] = None):
+    """RMSNorm over the last dimension, with an optional fused residual add.
+
+    ``y = q(x_hat) * (weight + weight_offset) + bias`` with ``x_hat = h / sqrt(mean(h^2) + eps)``
+    and ``h = x`` or ``h = x + residual``.
+
+    Args:
+        x: ``[..., N]`` float32/bfloat16/float16 (float64 runs the reference). Rows may be
+            strided (a slice of a bigger tensor) as long as the last dim has unit stride.
+        weight: ``[N]``, or ``[H, D]`` for a per-head (QK) norm over ``x [..., H, D]``; any
+            float dtype (fp32 master weights with bf16 activations is fine). ``None``: no scale.
+        bias: same shape as weight (or ``[N]``); optional.
+        eps: added to the mean square, >= 0.
+        residual: same shape as x; ``h = x + residual`` is normalized instead of x.
+        prenorm: return ``(y, h)``: the pre-norm transformer block's next residual stream.
+        residual_in_fp32: keep ``h`` in float32 (else the wider of x's and residual's dtype).
+        weight_offset: added to weight (Gemma's ``1 + weight``); default 1.0 for
+            ``casting="gemma"``, else 0.0.
+        casting: ``"llama"`` (HF LlamaRMSNorm exactly: ``weight * x_hat.to(input_dtype)``),
+            ``"gemma"`` (``x_hat * (1 + weight)`` in fp32, one cast) or ``"none"`` (fp32
+            throughout, one final cast).
+        out_dtype: dtype of y; default as the matching HF module returns it (llama: the wider of
+            weight and input dtype; otherwise the input dtype).
+
+    Returns:
+        ``y [..., N]``, or ``(y, h)`` when ``prenorm``. Differentiable in x, weight, bias and
+        residual.
+    """
+    return _norm(x, weight, bias, residual, is_rms=True, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+               eps: float = 1e-5, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
+               residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "none",
+               out_dtype: Optional[torch.dtype] = None):
+    """LayerNorm over the last dimension, with an optional fused residual add.
+
+    ``y = x_hat * (weight + weight_offset) + bias``, ``x_hat = (h - mean(h)) / sqrt(var(h) + eps)``.
+    Arguments and shapes as ``rms_norm``; the default ``casting="none"`` matches
+    ``torch.nn.functional.layer_norm`` (fp32 arithmetic, one final cast to x's dtype).
+    """
+    return _norm(x, weight, bias, residual, is_rms=False, eps=eps, prenorm=prenorm,
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)

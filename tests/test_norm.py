@@ -14,7 +14,10 @@ import triton.language as tl
 import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import _launch, _rowsplit
-from llmkernels.ops.norm import configs as norm_cfg, launchers as norm_launch
+from llmkernels.ops.norm import (BACKWARD, FORWARD, BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig,
+                                 SplitFwdConfig, backward_config, check_config, forward_config, launchers, norm_fwd)
+from llmkernels.ops.norm.tables import (BWD_ONE_PASS_MAX, DECODE_PROGRAMS, FWD_ONE_PASS_MAX, WARP, below_power_of_two,
+                                        five_eighths, fp16)
 from tests.conftest import INTERPRETED
 from llmkernels.bench.runner import poisoned
 from tests.helpers import REL_TOL, assert_close
@@ -37,14 +40,14 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def check_norm(is_rms, x, weight=None, bias=None, residual=None, *, prenorm=False, **opts):
-    """Run the kernel and the float64 reference on the same leaves; compare y (and h), then
-    every gradient for random upstream gradients."""
+def check_norm(is_rms, x, weight=None, bias=None, residual=None, *, prenorm=False, config=None, **opts):
+    """Run the kernel (with the launch ``config``) and the float64 reference on the same leaves;
+    compare y (and h), then every gradient for random upstream gradients."""
     fn, ref_fn = (lk.rms_norm, reference.rms_norm) if is_rms else (lk.layer_norm, reference.layer_norm)
     leaves = {k: _leaf(v) for k, v in dict(x=x, weight=weight, bias=bias, residual=residual).items() if v is not None}
     ref_leaves = {k: _leaf(v) for k, v in leaves.items()}
     out = fn(leaves["x"], leaves.get("weight"), leaves.get("bias"), residual=leaves.get("residual"),
-             prenorm=prenorm, **opts)
+             prenorm=prenorm, config=config, **opts)
     ref_opts = dict(opts)
     ref_opts.setdefault("out_dtype", out[0].dtype if prenorm else out.dtype)
     ref = ref_fn(ref_leaves["x"], ref_leaves.get("weight"), ref_leaves.get("bias"),
@@ -155,22 +158,26 @@ def test_residual_grads_do_not_alias(device):
 @pytest.mark.parametrize("split", [True, False], ids=["split", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_wide_rows(is_rms, dtype, split, n, device, monkeypatch):
+def test_wide_rows(is_rms, dtype, split, n, device):
     """Rows wider than the one-pass limits, with and without a residual: forward and backward split
     across programs (on a GPU; the interpreter cannot run programs that wait for each other; the
-    forward where FWD_SPLIT has the case) or blocked (in half chunks up to
-    FWD_BLOCKED_HALF_CHUNK_MAX). 65536 fills whole slices of every split, 40001 and 70001 leave
-    the last one partly masked."""
+    forward where the table has a split entry) or blocked (the tables' choice where the row may
+    not split: in half chunks up to 49152 for 2-byte rows). 65536 fills whole slices of every
+    split, 40001 and 70001 leave the last one partly masked."""
     if split and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
-    monkeypatch.setattr(_rowsplit, "ROW_SPLIT", split)
-    assert n > norm_cfg.FWD_ONE_PASS_MAX and n > norm_cfg.BWD_ONE_PASS_MAX
+
+    def blocked(residual):
+        key = NormKey(is_rms, dtype, residual, n, 3, split=False)
+        return None if split else NormConfig(forward_config(key), backward_config(key))
+
+    assert n > FWD_ONE_PASS_MAX and n > BWD_ONE_PASS_MAX
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0  # |mean| > std: exercises the shifted variance
     res = torch.randn(3, n, device=device, dtype=dtype)
     w = torch.randn(n, device=device)
     b = None if is_rms else torch.randn(n, device=device)
-    check_norm(is_rms, x, w, b, res, prenorm=True)
-    check_norm(is_rms, x, w, b)
+    check_norm(is_rms, x, w, b, res, prenorm=True, config=blocked(True))
+    check_norm(is_rms, x, w, b, config=blocked(False))
 
 
 @pytest.mark.parametrize("n", [20480, 28672, 32768])
@@ -181,8 +188,8 @@ def test_split_below_one_pass_max(is_rms, dtype, n, device):
     interpreter): 2-byte rows that do not fill their power of two, every fp32 LayerNorm row.
     20480 and 28672 do not fill whole 8192-column slices: 2-byte rows take 4096-column ones,
     fp32 rows a partly masked last."""
-    cfg = norm_cfg._fwd_split_config(is_rms, torch.empty(0, dtype=dtype).element_size(), False, n)
-    assert (cfg is None) == (n == 32768 and dtype == torch.bfloat16 or is_rms and dtype == torch.float32)
+    split = isinstance(forward_config(NormKey(is_rms, dtype, False, n, 3, sms=132)), SplitFwdConfig)
+    assert (not split) == (n == 32768 and dtype == torch.bfloat16 or is_rms and dtype == torch.float32)
     x = torch.randn(3, n, device=device, dtype=dtype) + 3.0
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device))
 
@@ -194,8 +201,8 @@ def test_forward_tail(is_rms, dtype, n, device):
     """Rows of 4353-6144 and 8705-12288 columns: the one-pass forward takes half their power of
     two whole and the rest as a masked power-of-two tail (300 rows: the bandwidth path, not the
     decode rule). The interpreter runs the forced case below."""
-    cfg = norm_cfg._fwd_config(n, 300, is_rms, 132, torch.empty(0, dtype=dtype).element_size())
-    assert cfg[1] < n <= cfg[1] + cfg[5]
+    cfg = forward_config(NormKey(is_rms, dtype, False, n, 300, sms=132))
+    assert cfg.block_n < n <= cfg.block_n + cfg.tail_n
     if INTERPRETED:
         pytest.skip("300 rows of these widths take minutes under the interpreter")
     x = torch.randn(300, n, device=device, dtype=dtype) + 3.0
@@ -206,15 +213,15 @@ def test_forward_tail(is_rms, dtype, n, device):
 @pytest.mark.parametrize("block_m", [1, 2])
 @pytest.mark.parametrize("n", [80, 96])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_forward_tail_forced(is_rms, n, block_m, device, monkeypatch):
+def test_forward_tail_forced(is_rms, n, block_m, device):
     """The forward's tail at a small width: 64 columns whole and a tail of 32 (the last 16 masked
     at 80), one or two rows a tile (5 rows: the last tile half empty), with and without the
     residual add."""
-    monkeypatch.setattr(norm_launch, "_fwd_config", lambda *_: (block_m, 64, 4, True, False, 32))
+    config = NormConfig(forward=FwdConfig(block_m, 64, 4, tail_n=32))
     x = torch.randn(5, n, device=device) + 3.0
     w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
-    check_norm(is_rms, x, w, b)
-    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
+    check_norm(is_rms, x, w, b, config=config)
+    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -238,58 +245,71 @@ SPLIT_MODES = {"lockstep": (1, 0, False), "pipelined": (2, 3, True)}
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_split_path_forced(is_rms, dtype, parts, mode, device, monkeypatch):
-    """The split forward and backward at a small width (limits lowered): one part per row (also
-    under the interpreter) or four, the last one partly masked; more rows than groups in flight;
-    the forward one or two programs an SM; the backward's exchange in step with the row or a row
+def test_split_path_forced(is_rms, dtype, parts, mode, device):
+    """The split forward and backward at a small width: one part per row (also under the
+    interpreter) or four, the last one partly masked; more rows than groups in flight; the
+    forward one or two programs an SM; the backward's exchange in step with the row or a row
     ahead with the loads pipelined."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
     fwd_per_sm, bwd_stages, bwd_w_packed = SPLIT_MODES[mode]
-    monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_launch, "_fwd_split_config", lambda *_: (128 // parts, 4, fwd_per_sm))
-    monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_launch, "_split_config", lambda *_: (128 // parts, 4, bwd_stages, bwd_w_packed))
+    config = NormConfig(SplitFwdConfig(128 // parts, 4, fwd_per_sm),
+                        SplitBwdConfig(128 // parts, 4, bwd_stages, bwd_w_packed))
     assert _rowsplit.split_grid(n, 300, 128 // parts, torch.device(device))[0] == parts
     x = torch.randn(3, 100, n, device=device, dtype=dtype) + 2.0
     res = torch.randn(3, 100, n, device=device, dtype=dtype)
     check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),
-               res, prenorm=True)
-    check_norm(is_rms, x[:1, :3], torch.randn(n, device=device, dtype=dtype), casting="gemma")
+               res, prenorm=True, config=config)
+    check_norm(is_rms, x[:1, :3], torch.randn(n, device=device, dtype=dtype), casting="gemma", config=config)
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_blocked_path_forced(is_rms, device, monkeypatch):
-    """The blocked kernels at a small width (limits lowered), with several rows per head."""
-    monkeypatch.setattr(_rowsplit, "ROW_SPLIT", False)
-    monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 64)
-    monkeypatch.setattr(norm_cfg, "FWD_BLOCKED", (2, 32, 4, False))
-    monkeypatch.setattr(norm_cfg, "BWD_BLOCKED", (2, 32, 4, False, 2))
+def test_blocked_path_forced(is_rms, device):
+    """The blocked kernels at a small width (32-column chunks, 2 rows a tile), with several rows
+    per head."""
+    config = NormConfig(FwdConfig(2, 32, 4, one_pass=False), BwdConfig(2, 32, 4, one_pass=False, per_sm=2))
     x = torch.randn(2, 5, 3, 100, device=device, dtype=torch.float32)
-    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
-    check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device))
+    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device), config=config)
+    check_norm(is_rms, x, torch.randn(3, 100, device=device), torch.randn(3, 100, device=device), config=config)
 
 
-@pytest.mark.parametrize("entry", [(key, width) for key, widths in norm_cfg._BWD_TABLE_RAGGED.items() for width in widths],
-                         ids=lambda e: f"{'rms' if e[0][0] else 'layer'}-{e[0][1]}B-{e[1]}")
-def test_backward_ragged_entries(entry, device):
-    """Each entry for rows between two powers of two: taken for the widest row it covers, not
-    for the power of two itself; on a GPU, that row's backward (300 rows: the bandwidth path),
-    with the residual add for RMSNorm."""
-    (is_rms, elem_size), width = entry
-    cfg, widest = norm_cfg._BWD_TABLE_RAGGED[is_rms, elem_size][width]
-    n = width * min(widest, 7) // 8
-    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_cfg._bwd_config(n, 300, is_rms, 132, elem_size)
-    assert (bm * bn, warps, per_sm, prefetch) == cfg and bn == width
-    bm, bn, warps, _, per_sm, _, prefetch, _ = norm_cfg._bwd_config(width, 300, is_rms, 132, elem_size)
-    power_cfg = (norm_cfg._BWD_TABLE_FP32[is_rms].get(width) if elem_size == 4 else None) or (
-        norm_cfg._BWD_TABLE[is_rms][width])
-    assert (bm * bn, warps, per_sm, prefetch) == power_cfg
+def _ragged_entries():
+    """(entry, RMSNorm?, bytes per element, power of two) of each backward entry for rows between
+    two powers of two."""
+    for entry in BACKWARD.entries:
+        if {five_eighths, below_power_of_two} & set(entry.when):
+            for is_rms, elem_size, width in itertools.product(entry.kinds, entry.elem_sizes, (4096, 8192)):
+                if entry.widths[0] <= width <= entry.widths[1]:
+                    yield entry, is_rms, elem_size, width
+
+
+def _tiles(cfg):
+    """(tile elements, warps, programs an SM, prefetch) of a backward configuration or rule."""
+    if isinstance(cfg, BwdConfig):
+        return cfg.block_m * cfg.block_n, cfg.num_warps, cfg.per_sm, cfg.prefetch
+    return cfg.tile, cfg.num_warps, cfg.per_sm, cfg.prefetch
+
+
+@pytest.mark.parametrize("case", list(_ragged_entries()),
+                         ids=lambda c: f"{'rms' if c[1] else 'layer'}-{c[2]}B-{c[3]}")
+def test_backward_ragged_entries(case, device):
+    """Each entry for rows between two powers of two: taken for the widest row it covers (in
+    eighths of the power, at most 7/8), not for the power of two itself; on a GPU, that row's
+    backward (300 rows: the bandwidth path), with the residual add for RMSNorm."""
+    entry, is_rms, elem_size, width = case
+    dtype = torch.float32 if elem_size == 4 else torch.bfloat16
+
+    def key(n):
+        return NormKey(is_rms, dtype, False, n, 300, sms=132)
+
+    n = max(width * k // 8 for k in range(5, 8) if BACKWARD.entry(key(width * k // 8)) is entry)
+    cfg = backward_config(key(n))
+    assert _tiles(cfg) == _tiles(entry.config) and cfg.block_n == width
+    power = BACKWARD.entry(key(width))
+    assert power is not entry and _tiles(backward_config(key(width))) == _tiles(power.config)
     if INTERPRETED:
         pytest.skip("300 rows of thousands of columns take minutes under the interpreter")
-    dtype = torch.float32 if elem_size == 4 else torch.bfloat16
     x = torch.randn(300, n, device=device, dtype=dtype) + 3.0
     w, b = torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device)
     check_norm(is_rms, x, w, b)
@@ -303,8 +323,9 @@ def test_backward_tail(is_rms, n, device):
     """2-byte rows of 8193-12288: the one-pass backward takes 8192 columns whole and a tail (of 8
     columns at 8200), LayerNorm's as well (not its split backward); 300 rows (not the decode
     rule). The interpreter runs the forced case (test_backward_tail_forced)."""
-    bm, bn, _, one_pass, _, max_programs, _, tail_n = norm_cfg._bwd_config(n, 300, is_rms, 132, 2)
-    assert one_pass and bn == 8192 and bn < n <= bn + tail_n and not max_programs
+    cfg = backward_config(NormKey(is_rms, torch.bfloat16, False, n, 300, sms=132))
+    assert cfg.one_pass and cfg.block_n == 8192 and cfg.block_n < n <= cfg.block_n + cfg.tail_n
+    assert not cfg.max_programs
     if INTERPRETED:
         pytest.skip("300 rows of these widths take minutes under the interpreter")
     x = torch.randn(300, n, device=device, dtype=torch.bfloat16) + 3.0
@@ -315,55 +336,49 @@ def test_backward_tail(is_rms, n, device):
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3], ids=["load", "prefetch", "pipelined"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device, monkeypatch):
+def test_backward_tiles_with_and_without_prefetch(is_rms, prefetch, device):
     """The one-pass backward with 2-row tiles, several a program and a last one half full (the
     prefetch then reads nothing past the last row), per-head weights and a residual too; loads
     in the loop, the next tile into registers, or the loop pipelined by Triton in 3 stages."""
-    cfg = (2, 128, 4, True, 1, 3, prefetch, 0)  # 3 programs, 2 x 128 tiles
-    monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: cfg)
+    config = NormConfig(backward=BwdConfig(2, 128, 4, max_programs=3, prefetch=prefetch))  # 3 programs, 2 x 128
     x = torch.randn(5, 3, 100, device=device, dtype=torch.bfloat16)
-    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device))
-    check_norm(is_rms, x, torch.randn(3, 100, device=device), None, torch.randn_like(x), prenorm=True)
+    check_norm(is_rms, x, torch.randn(100, device=device), torch.randn(100, device=device), config=config)
+    check_norm(is_rms, x, torch.randn(3, 100, device=device), None, torch.randn_like(x), prenorm=True, config=config)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3], ids=["load", "prefetch", "pipelined"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_backward_tail_forced(is_rms, prefetch, device, monkeypatch):
+def test_backward_tail_forced(is_rms, prefetch, device):
     """The one-pass backward with a tail: 64 columns whole and 32 more (the last 16 masked), 2-row
     tiles, 3 programs, the last tile half full; loads in the loop, the next tile into registers,
     or pipelined; with the residual's gradient too."""
-    monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: (2, 64, 4, True, 1, 3, prefetch, 32))
+    config = NormConfig(backward=BwdConfig(2, 64, 4, max_programs=3, prefetch=prefetch, tail_n=32))
     x = torch.randn(5, 80, device=device) + 3.0
     w, b = torch.randn(80, device=device), None if is_rms else torch.randn(80, device=device)
-    check_norm(is_rms, x, w, b)
-    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True)
+    check_norm(is_rms, x, w, b, config=config)
+    check_norm(is_rms, x, w, b, torch.randn_like(x), prenorm=True, config=config)
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_backward_decode_writes_dw_by_columns(is_rms, device, monkeypatch):
+def test_backward_decode_writes_dw_by_columns(is_rms, device):
     """Decode sizes: each backward program also writes dW / dB of its share of the columns over
     every row (DW_COLS), no partials. On a GPU as the decode rule launches it (rows of 4096 and
     3000 columns, 1 ... 256 rows; a residual too); under the interpreter three programs of three
     rows, 128 columns each of a 300-column row (the last share partly masked)."""
-    dw_cols = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        dw_cols.append(kwargs.get("DW_COLS", 0))
-        return _launch.launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(norm_launch, "launch", recording_launch)
+    config = NormConfig()
     if INTERPRETED:
-        monkeypatch.setattr(norm_launch, "_bwd_config", lambda *_: (1, 512, 4, True, 1, 3, 0, 0))
+        config = NormConfig(backward=BwdConfig(1, 512, 4, max_programs=3))
         shapes = [(9, 300)]
     else:
         shapes = [(m, n) for n in (4096, 3000) for m in (1, 8, 37, 256)]
+    launchers.BWD_PLANS.clear()  # so that it holds the plans of these backwards alone
     for m, n in shapes:
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16),
-                   None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16))
+                   None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16), config=config)
         check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16), None, torch.randn_like(x),
-                   prenorm=True)
-    assert max(dw_cols) > 0
+                   prenorm=True, config=config)
+    assert max(plan.launch.options.get("DW_COLS", 0) for plan in launchers.BWD_PLANS.values()) > 0
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
@@ -378,17 +393,14 @@ def test_per_head_weight(is_rms, device):
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["one_pass", "blocked"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_per_head_weight_with_residual(is_rms, blocked, device, monkeypatch):
-    """Per-head weights with a fused residual (fp32 residual stream), on both kernel paths."""
-    if blocked:  # per-head weights never take the row split
-        monkeypatch.setattr(norm_cfg, "FWD_ONE_PASS_MAX", 16)
-        monkeypatch.setattr(norm_cfg, "BWD_ONE_PASS_MAX", 16)
-        monkeypatch.setattr(norm_cfg, "FWD_BLOCKED", (2, 16, 4, False))
-        monkeypatch.setattr(norm_cfg, "BWD_BLOCKED", (2, 16, 4, False, 2))
+def test_per_head_weight_with_residual(is_rms, blocked, device):
+    """Per-head weights with a fused residual (fp32 residual stream), on both kernel paths (per-head
+    weights never take the row split; blocked: 8-column chunks forward, 16 backward, 2-row tiles)."""
+    config = NormConfig(FwdConfig(2, 8, 4, one_pass=False), BwdConfig(2, 16, 4, one_pass=False, per_sm=2))
     x = torch.randn(2, 5, 4, 32, device=device, dtype=torch.bfloat16)
     res = torch.randn(2, 5, 4, 32, device=device, dtype=torch.float32)
     check_norm(is_rms, x, torch.randn(4, 32, device=device), torch.randn(4, 32, device=device), res, prenorm=True,
-               residual_in_fp32=True)
+               residual_in_fp32=True, config=config if blocked else None)
 
 
 def test_shared_head_weight(device):
@@ -553,9 +565,10 @@ def test_slot_pair_holds_two_values_exactly(device):
 def test_split_backward_config_for_every_dtype():
     """The split backward has a launch configuration for every dtype the kernels take."""
     for is_rms, dtype in itertools.product((True, False), (torch.bfloat16, torch.float16, torch.float32)):
-        cols, warps, stages, w_packed = norm_cfg._split_config(is_rms, dtype)
-        assert cols & (cols - 1) == 0 and warps in (4, 8, 16, 32) and stages in (0, 2, 3, 4)
-        assert w_packed in (False, True)
+        cfg = backward_config(NormKey(is_rms, dtype, False, 65536, 4096, sms=132))
+        assert isinstance(cfg, SplitBwdConfig)
+        assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.num_warps in (4, 8, 16, 32) and cfg.stages in (0, 2, 3, 4)
+        assert cfg.w_packed in (False, True)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1024, 5000, 16384, 16385, 32768, 32769, 40960, 49152, 65536, 131072,
@@ -563,33 +576,40 @@ def test_split_backward_config_for_every_dtype():
 def test_heuristics_cover_every_width(n):
     for m, is_rms in itertools.product((1, 7, 4096), (True, False)):
         for sms in (0, 132):
-            bm, bn, warps, one_pass, early_w, tail_n = norm_cfg._fwd_config(n, m, is_rms, sms)
-            assert not early_w or (one_pass and bm == 1 and sms > 0)
-            assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-            assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_cfg.FWD_ONE_PASS_MAX)
-            assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and tail_n <= bn // 2)
-            assert bm * bn <= 65536
-            for elem_size in (2, 4):
-                bm, bn, warps, one_pass, per_sm, max_programs, prefetch, tail_n = norm_cfg._bwd_config(
-                    n, m, is_rms, sms, elem_size)
-                assert per_sm >= 1 and max_programs in (0, norm_cfg.BWD_DECODE_PROGRAMS)
-                assert not prefetch or (one_pass and not max_programs)
-                assert warps in (1, 2, 4, 8, 16, 32) and bm >= 1 and bn & (bn - 1) == 0
-                assert one_pass == (bn + tail_n >= n) and (one_pass or n > norm_cfg.BWD_ONE_PASS_MAX // 2)
-                assert tail_n == 0 or (tail_n & (tail_n - 1) == 0 and bn < n <= bn + tail_n and not max_programs)
-                assert bm * bn <= 65536
-    if n > norm_cfg.FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
-        narrow = n <= norm_cfg.FWD_BLOCKED_HALF_CHUNK_MAX
-        assert norm_cfg._fwd_split_config(True, 2, False, n) is not None
-        for is_rms, elem_size, residual in norm_cfg.FWD_SPLIT:
-            cfg = norm_cfg._fwd_split_config(is_rms, elem_size, residual, n)
-            assert cfg is None or (cfg[0] & (cfg[0] - 1) == 0 and cfg[2] in (1, 2, 4)
-                                   and _rowsplit.resident_registers(cfg[1], cfg[2]) >= 128)
+            f = forward_config(NormKey(is_rms, torch.bfloat16, False, n, m, sms, split=False))
+            assert not f.early_w or (f.one_pass and f.block_m == 1 and sms > 0)
+            assert f.num_warps in (1, 2, 4, 8, 16, 32) and f.block_m >= 1 and f.block_n & (f.block_n - 1) == 0
+            assert f.one_pass == (f.block_n + f.tail_n >= n) and (f.one_pass or n > FWD_ONE_PASS_MAX)
+            assert f.tail_n == 0 or (f.tail_n & (f.tail_n - 1) == 0 and f.block_n < n <= f.block_n + f.tail_n
+                                     and f.tail_n <= f.block_n // 2)
+            assert f.block_m * f.block_n <= 65536
+            for dtype in (torch.bfloat16, torch.float32):
+                b = backward_config(NormKey(is_rms, dtype, False, n, m, sms, split=False))
+                assert b.per_sm >= 1 and b.max_programs in (0, DECODE_PROGRAMS)
+                assert not b.prefetch or (b.one_pass and not b.max_programs)
+                assert b.num_warps in (1, 2, 4, 8, 16, 32) and b.block_m >= 1 and b.block_n & (b.block_n - 1) == 0
+                assert b.one_pass == (b.block_n + b.tail_n >= n) and (b.one_pass or n > BWD_ONE_PASS_MAX // 2)
+                assert b.tail_n == 0 or (b.tail_n & (b.tail_n - 1) == 0 and b.block_n < n <= b.block_n + b.tail_n
+                                         and not b.max_programs)
+                assert b.block_m * b.block_n <= 65536
+    if n > FWD_ONE_PASS_MAX:  # the split forward, the blocked loop's chunk
+        narrow = n <= 49152
+
+        def forward(is_rms, dtype, residual=False, split=True):
+            return forward_config(NormKey(is_rms, dtype, residual, n, 4096, 132, split))
+
+        assert isinstance(forward(True, torch.bfloat16), SplitFwdConfig)
+        for is_rms, dtype, residual in itertools.product((True, False), (torch.bfloat16, torch.float32),
+                                                         (False, True)):
+            cfg = forward(is_rms, dtype, residual)
+            assert not isinstance(cfg, SplitFwdConfig) or (
+                cfg.block_n & (cfg.block_n - 1) == 0 and cfg.per_sm in (1, 2, 4)
+                and _rowsplit.resident_registers(cfg.num_warps, cfg.per_sm) >= 128)
         # 2-byte rows that do not fill whole 8192-column slices take 4096-column ones
-        assert norm_cfg._fwd_split_config(False, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert norm_cfg._fwd_split_config(True, 2, False, n)[0] == (8192 if n % 8192 == 0 else 4096)
-        assert norm_cfg._fwd_config(n, 4096, False, 132, 2)[1] == norm_cfg.FWD_BLOCKED[1] // (2 if narrow else 1)
-        assert norm_cfg._fwd_config(n, 4096, False, 132, 4)[1] == norm_cfg.FWD_BLOCKED[1]
+        assert forward(False, torch.bfloat16).block_n == (8192 if n % 8192 == 0 else 4096)
+        assert forward(True, torch.bfloat16).block_n == (8192 if n % 8192 == 0 else 4096)
+        assert forward(False, torch.bfloat16, split=False).block_n == 16384 // (2 if narrow else 1)
+        assert forward(False, torch.float32, split=False).block_n == 16384
 
 
 def test_decode_rules_are_the_measured_configs():
@@ -598,20 +618,143 @@ def test_decode_rules_are_the_measured_configs():
     row a program up to 64 programs, then tiles of 2 or 4 rows (LayerNorm: two tiles of 2 rows at
     M = 256, tiles of 2 at M = 5-16), 4 warps (8 for 4 rows); training sizes and an unknown SM
     count keep the bandwidth tables."""
-    assert norm_cfg._fwd_config(4096, 8, True, 132) == (1, 4096, 8, True, True, 0)
-    assert norm_cfg._fwd_config(4096, 256, False, 132) == (1, 4096, 4, True, True, 0)  # 256 tiles, yet decode
-    assert norm_cfg._fwd_config(4096, 1, False, 132) == (1, 4096, 4, True, True, 0)
-    assert norm_cfg._fwd_config(4096, 512, False, 132)[4] is False
-    assert norm_cfg._fwd_config(4096, 8, True, 0)[4] is False
-    assert norm_cfg._fwd_config(4096, 2**15, True, 132)[4] is False
-    assert norm_cfg._fwd_config(256, 8, True, 132)[4] is False  # narrow rows: not measured
-    assert norm_cfg._bwd_config(4096, 256, True, 132) == (4, 4096, 8, True, 2, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 256, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 128, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 8, True, 132) == (1, 4096, 4, True, 2, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 8, False, 132) == (2, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 32, False, 132) == (1, 4096, 4, True, 1, 64, 0, 0)
-    assert norm_cfg._bwd_config(4096, 2**15, True, 132)[5] == 0
+    def fwd(n, m, is_rms, sms):
+        return forward_config(NormKey(is_rms, torch.bfloat16, False, n, m, sms))
+
+    def bwd(n, m, is_rms, sms):
+        return backward_config(NormKey(is_rms, torch.bfloat16, False, n, m, sms))
+
+    assert fwd(4096, 8, True, 132) == FwdConfig(1, 4096, 8, early_w=True)
+    assert fwd(4096, 256, False, 132) == FwdConfig(1, 4096, 4, early_w=True)  # 256 tiles, yet decode
+    assert fwd(4096, 1, False, 132) == FwdConfig(1, 4096, 4, early_w=True)
+    assert fwd(4096, 512, False, 132).early_w is False
+    assert fwd(4096, 8, True, 0).early_w is False
+    assert fwd(4096, 2**15, True, 132).early_w is False
+    assert fwd(256, 8, True, 132).early_w is False  # narrow rows: not measured
+    assert bwd(4096, 256, True, 132) == BwdConfig(4, 4096, 8, per_sm=2, max_programs=64)
+    assert bwd(4096, 256, False, 132) == BwdConfig(2, 4096, 4, per_sm=1, max_programs=64)
+    assert bwd(4096, 128, False, 132) == BwdConfig(2, 4096, 4, per_sm=1, max_programs=64)
+    assert bwd(4096, 8, True, 132) == BwdConfig(1, 4096, 4, per_sm=2, max_programs=64)
+    assert bwd(4096, 8, False, 132) == BwdConfig(2, 4096, 4, per_sm=1, max_programs=64)
+    assert bwd(4096, 32, False, 132) == BwdConfig(1, 4096, 4, per_sm=1, max_programs=64)
+    assert bwd(4096, 2**15, True, 132).max_programs == 0
+
+
+WIDEST_TESTED = 262144
+KINDS_DTYPES_RESIDUAL = list(itertools.product((True, False), DTYPES, (False, True)))
+
+
+def _launchable(cfg, n: int) -> bool:
+    """``check_config`` takes it for rows of ``n``, and it is within the kernels' limits: at most
+    128 elements of a tile a thread in the forward and 64 of each of x and dy in the backward (255
+    registers), split programs resident (``resident_registers``), a chunked loop only for rows
+    wider than its chunk, the decode programs' cap without prefetch or tail."""
+    check_config(cfg, n, isinstance(cfg, (BwdConfig, SplitBwdConfig)))
+    threads = WARP * cfg.num_warps
+    if isinstance(cfg, SplitFwdConfig):
+        return cfg.per_sm in (1, 2, 4) and _rowsplit.resident_registers(cfg.num_warps, cfg.per_sm) >= 128 and (
+            cfg.block_n <= 128 * threads)
+    if isinstance(cfg, SplitBwdConfig):
+        return cfg.stages in (0, 2, 3, 4) and cfg.block_n <= 64 * threads
+    held = cfg.block_m * (cfg.block_n + cfg.tail_n)
+    if cfg.block_m * cfg.block_n > 65536 or cfg.one_pass != (cfg.block_n + cfg.tail_n >= n):
+        return False
+    if isinstance(cfg, FwdConfig):
+        return held <= 128 * threads and (not cfg.early_w or cfg.block_m == 1)
+    return (held <= 64 * threads and cfg.max_programs in (0, DECODE_PROGRAMS)
+            and not (cfg.max_programs and (cfg.prefetch or cfg.tail_n)))
+
+
+@pytest.mark.parametrize("table", [FORWARD, BACKWARD], ids=["forward", "backward"])
+def test_tables_cover_every_width(table):
+    """Every row width from 1 to 262144, for each norm kind, dtype and residual add, row split or
+    not and decode sizes or not, gets exactly one configuration (the first entry that matches),
+    and it is launchable: the entries without conditions cover every width, so a first match
+    always exists; each entry's configuration, made for every width it covers (at 8 and 4096
+    rows), is within the kernels' limits; resolving every 257th width and every entry's and power
+    of two's edges (decode sizes or not, split or not) gives a launchable configuration of a
+    matching entry."""
+    for is_rms, dtype, residual in KINDS_DTYPES_RESIDUAL:
+        key = NormKey(is_rms, dtype, residual, 1, 1)
+        unconditional = sorted(e.widths for e in table.entries
+                               if not e.when and e.decode is None and e.matches(key._replace(n=e.widths[0]), False))
+        covered = 0
+        for lo, hi in unconditional:
+            assert lo <= covered + 1, f"{key}: no entry for width {covered + 1}"
+            covered = max(covered, hi)
+        assert covered >= WIDEST_TESTED
+    base = BwdConfig(1, 16, 4, per_sm=2)  # what a decode row replaces: only its programs an SM pass through
+    for entry in table.entries:
+        residual = bool(entry.residual and entry.residual[0])
+        for m in (8, 4096):
+            key = NormKey(entry.kinds[0], _entry_dtype(entry), residual, 1, m, sms=132)
+            for n in range(entry.widths[0], min(entry.widths[1], WIDEST_TESTED) + 1):
+                if not entry.matches(key._replace(n=n), True):
+                    continue
+                cfg = entry.make(key._replace(n=n), base)
+                assert _launchable(cfg, n), (entry, n, m, cfg)
+                if cfg is entry.config:  # a configuration, not a rule: the same for every width
+                    break
+    edges = {v for e in table.entries for w in e.widths for v in (w - 1, w, w + 1)} | {
+        v for p in range(4, 19) for v in (2**p - 1, 2**p, 2**p + 1)}
+    every_key = list(itertools.product((1, 200, 4096), (0, 132), (True, False)))
+    some_keys = [(1, 132, True), (200, 132, True), (4096, 132, True), (4096, 0, False)]
+    widths = sorted(n for n in edges | set(range(1, WIDEST_TESTED + 1, 257)) if 1 <= n <= WIDEST_TESTED)
+    for (is_rms, dtype, residual), n in itertools.product(KINDS_DTYPES_RESIDUAL, widths):
+        for m, sms, split in (every_key if n in edges else some_keys):
+            key = NormKey(is_rms, dtype, residual, n, m, sms, split)
+            cfg = table.resolve(key)
+            assert _launchable(cfg, n), (key, cfg)
+            assert table.entry(key, decode=True).matches(key, True)
+
+
+@pytest.mark.parametrize("table", [FORWARD, BACKWARD], ids=["forward", "backward"])
+def test_every_table_entry_is_taken_and_names_kept_results(table):
+    """No entry is shadowed by the ones before it: each is the first match for some key (its
+    widths, 1 / 8 / 200 / 4096 rows, 132 multiprocessors, the split allowed or not, decode rows
+    where it has them); and each names results files kept under benchmarks/results/."""
+    results = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
+    for entry in table.entries:
+        keys = (NormKey(is_rms, _entry_dtype(entry, size), residual, n, m, 132, split)
+                for n in range(entry.widths[0], min(entry.widths[1], entry.widths[0] + 8192) + 1)
+                for is_rms, size, residual, m, split in itertools.product(
+                    entry.kinds, entry.elem_sizes or (2, 4), entry.residual or (False, True), (1, 8, 200, 4096),
+                    (True, False)))
+        assert any(table.entry(key, decode=entry.decode is not None) is entry for key in keys), entry
+        assert entry.source and all(isinstance(path, str) for path in entry.source), entry
+        for path in entry.source:
+            assert os.path.exists(os.path.join(results, path)), f"{entry}: {path} is not in benchmarks/results/"
+
+
+def _entry_dtype(entry, size=None):
+    """A dtype of the entry's bytes per element (``size``: of those), fp16 where it asks for it."""
+    size = size or (entry.elem_sizes or (2,))[0]
+    if size == 4:
+        return torch.float32
+    return torch.float16 if fp16 in entry.when else torch.bfloat16
+
+
+def test_config_argument_is_checked(device):
+    """A configuration that is no record of its direction, or that cannot launch the rows (one
+    pass over part of the row, a tail where there is no room, sizes that are no power of two, a
+    bool for an int), is refused with an error naming the argument, before anything runs."""
+    x, w = torch.randn(2, 64, device=device), torch.randn(64, device=device)
+    with pytest.raises(TypeError, match="config"):
+        lk.rms_norm(x, w, config=FwdConfig(1, 64, 4))
+    with pytest.raises(TypeError, match="config.forward"):
+        lk.rms_norm(x, w, config=NormConfig(forward=BwdConfig(1, 64, 4)))
+    with pytest.raises(TypeError, match="config.backward"):
+        lk.layer_norm(x, w, config=NormConfig(backward=SplitFwdConfig(64, 4, 1)))
+    bad = [(ValueError, NormConfig(forward=FwdConfig(1, 32, 4)), "config.forward .*one pass"),
+           (ValueError, NormConfig(backward=BwdConfig(2, 64, 4, tail_n=32)), "config.backward .*tail"),
+           (ValueError, NormConfig(forward=FwdConfig(1, 48, 4, one_pass=False)), "config.forward .*power of two"),
+           (ValueError, NormConfig(backward=SplitBwdConfig(64, 3, 0)), "config.backward .*num_warps"),
+           (TypeError, NormConfig(forward=FwdConfig(True, 64, 4)), "config.forward .*block_m")]
+    for error, config, message in bad:
+        with pytest.raises(error, match=message):
+            lk.rms_norm(_leaf(x), w, config=config)
+    with pytest.raises(TypeError, match="config must be a FwdConfig or SplitFwdConfig"):
+        norm_fwd(x, w, None, None, 1, 1e-6, 0.0, True, True, x.dtype, None, False, config=NormConfig())
 
 
 def test_cpu_without_interpreter_uses_reference():

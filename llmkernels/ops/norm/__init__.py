@@ -8,7 +8,7 @@ Llama's rounding of ``x_hat`` to the input dtype. Statistics and dW/dB accumulat
 Paths by row width:
   - one pass: the whole row (several rows for small N) sits in registers; x is read once.
   - split: rows wider than ``BWD_ONE_PASS_MAX`` (backward) or ``FWD_ONE_PASS_MAX`` (forward,
-    the cases of ``FWD_SPLIT``; some from 16385) are shared by several programs, each
+    the cases of ``FORWARD``'s split entries; some from 16385) are shared by several programs, each
     holding a slice in registers, that exchange partial row sums through global memory; x (and
     dy) are read once from memory (the forward reads its slice a second time, from L2).
   - blocked: other forwards of rows wider than ``FWD_ONE_PASS_MAX`` loop over column chunks,
@@ -20,9 +20,15 @@ sizes (few rows) each program instead also sums dW/dB over every row for its sha
 columns: one launch, no partials.
 
 The package, bottom up: ``tile`` (the arithmetic shared by the kernels), ``forward`` and
-``backward`` (the kernels), ``configs`` (their launch configurations), ``launchers`` and ``api``
-(the public functions and their registration for eager autograd and torch.compile).
+``backward`` (the kernels), ``configs`` (their launch configurations as records), ``tables``
+(the measured tables that choose them), ``launchers`` and ``api`` (the public functions and their
+registration for eager autograd and torch.compile).
 """
 from .api import NORM, layer_norm, rms_norm
+from .configs import BwdConfig, FwdConfig, NormConfig, SplitBwdConfig, SplitFwdConfig, check_config
+from .launchers import backward_plan, forward_plan, norm_bwd, norm_fwd
+from .tables import BACKWARD, FORWARD, NormKey, backward_config, forward_config
 
-__all__ = ["layer_norm", "rms_norm", "NORM"]
+__all__ = ["layer_norm", "rms_norm", "NORM", "NormConfig", "FwdConfig", "SplitFwdConfig", "BwdConfig", "SplitBwdConfig",
+           "check_config", "NormKey", "FORWARD", "BACKWARD", "forward_config", "backward_config", "norm_fwd",
+           "norm_bwd", "forward_plan", "backward_plan"]

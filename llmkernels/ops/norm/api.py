@@ -10,18 +10,19 @@ import torch
 from ... import reference
 from .._launch import as_rows, check_tensor, use_kernels
 from .._register import Op
-from .launchers import _norm_bwd, _norm_fwd
+from .configs import NormConfig, check_config
+from .launchers import norm_bwd, norm_fwd
 
 
-def _norm_fwd_saving(*args, share_dres: bool = False):
+def _norm_fwd_saving(*args, share_dres: bool = False, config: Optional[NormConfig] = None):
     """The forward of a call that records an autograd node: the statistics are kept for the
     backward. (``share_dres``, an option of the call, is for the backward: see ``_norm_setup``.)"""
-    return _norm_fwd(*args, True)
+    return norm_fwd(*args, True, config=None if config is None else config.forward)
 
 
-def _norm_fwd_inference(*args, share_dres: bool = False):
+def _norm_fwd_inference(*args, share_dres: bool = False, config: Optional[NormConfig] = None):
     """The forward of a call that needs no gradient: no statistics."""
-    return _norm_fwd(*args, False)
+    return norm_fwd(*args, False, config=None if config is None else config.forward)
 
 
 def _norm_fwd_fake(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
@@ -40,15 +41,16 @@ def _norm_bwd_fake(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_of
             None if bias_dtype is None else xin.new_empty(heads * n, dtype=bias_dtype))
 
 
-def _norm_setup(ctx, inputs, outputs, share_dres: bool = False):
+def _norm_setup(ctx, inputs, outputs, share_dres: bool = False, config: Optional[NormConfig] = None):
     """``share_dres`` (eager only): dx may double as dresidual, a write less (custom ops may not
-    return aliases)."""
+    return aliases). ``config`` (eager only): the backward's launch configuration."""
     x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype = inputs
     y, h, mean, rstd = outputs
     ctx.save_for_backward(x if residual is None else h, weight, None if is_rms else mean, rstd)
     ctx.options = (None if bias is None else (bias.shape, bias.dtype),
                    None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize, x.dtype)
     ctx.share_dres = share_dres
+    ctx.backward_config = None if config is None else config.backward
 
 
 def _norm_backward(ctx, bwd, dy, dh, *_):
@@ -57,14 +59,15 @@ def _norm_backward(ctx, bwd, dy, dh, *_):
     n = xin.shape[1]
     dx, dres, dw, db = bwd(as_rows(dy, n), as_rows(dh, n) if res_dtype is not None and dh is not None else None,
                            xin, weight, None if bias_meta is None else bias_meta[1], mean, rstd, heads,
-                           weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres)
+                           weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres,
+                           config=ctx.backward_config)
     return (dx, dw if weight is not None else None, None if bias_meta is None else db.view(bias_meta[0]),
             dres if res_dtype is not None else None)
 
 
 NORM = Op("norm", forward=_norm_fwd_saving, infer=_norm_fwd_inference, setup=_norm_setup,
           backward=_norm_backward, grad_inputs=(0, 1, 2, 3), returns=2, fake=_norm_fwd_fake,
-          backward_launcher=_norm_bwd, backward_fake=_norm_bwd_fake,
+          backward_launcher=norm_bwd, backward_fake=_norm_bwd_fake,
           schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt heads, float eps, "
                  "float weight_offset, bool is_rms, bool quantize, ScalarType out_dtype, ScalarType? h_dtype) "
                  "-> (Tensor, Tensor, Tensor, Tensor)",
@@ -109,8 +112,20 @@ def _check_norm_args(x, weight, bias, residual, eps, casting) -> int:
     return heads
 
 
-def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting, out_dtype):
+def _check_config(config, n: int) -> None:
+    """``config=``: a NormConfig whose records can launch rows of ``n`` (TypeError / ValueError)."""
+    if not isinstance(config, NormConfig):
+        raise TypeError(f"config must be a NormConfig, got {type(config).__name__}")
+    for backward, name, part in ((False, "config.forward", config.forward), (True, "config.backward", config.backward)):
+        if part is not None:
+            check_config(part, n, backward, name)
+
+
+def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting, out_dtype,
+          config):
     heads = _check_norm_args(x, weight, bias, residual, eps, casting)
+    if config is not None:
+        _check_config(config, x.shape[-1])
     if not use_kernels(x) or x.dtype == torch.float64:
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         fn = reference.rms_norm if is_rms else reference.layer_norm
@@ -126,7 +141,7 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
     args = (as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), heads, float(eps),
             weight_offset, is_rms, casting == "llama", out_dtype, h_dtype)
     # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
-    y, h = NORM(*args, share_dres=residual is not None and not (x.is_leaf or residual.is_leaf))
+    y, h = NORM(*args, share_dres=residual is not None and not (x.is_leaf or residual.is_leaf), config=config)
     h = h if residual is not None else None  # (under torch.compile, a placeholder)
     if y.dim() != len(shape):
         y = y.view(shape)
@@ -142,7 +157,7 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
              eps: float = 1e-6, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
              residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "llama",
-             out_dtype: Optional[torch.dtype] = None):
+             out_dtype: Optional[torch.dtype] = None, config: Optional[NormConfig] = None):
     """RMSNorm over the last dimension, with an optional fused residual add.
 
     ``y = q(x_hat) * (weight + weight_offset) + bias`` with ``x_hat = h / sqrt(mean(h^2) + eps)``
@@ -165,19 +180,23 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
             throughout, one final cast).
         out_dtype: dtype of y; default as the matching HF module returns it (llama: the wider of
             weight and input dtype; otherwise the input dtype).
+        config: the kernels' launch configuration (a ``NormConfig``; its None fields, and
+            every field by default, as the tables choose): for tests and tuning, eager calls
+            only (torch.compile drops it).
 
     Returns:
         ``y [..., N]``, or ``(y, h)`` when ``prenorm``. Differentiable in x, weight, bias and
         residual.
     """
     return _norm(x, weight, bias, residual, is_rms=True, eps=eps, prenorm=prenorm,
-                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype,
+                 config=config)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
                eps: float = 1e-5, residual: Optional[torch.Tensor] = None, prenorm: bool = False,
                residual_in_fp32: bool = False, weight_offset: Optional[float] = None, casting: str = "none",
-               out_dtype: Optional[torch.dtype] = None):
+               out_dtype: Optional[torch.dtype] = None, config: Optional[NormConfig] = None):
     """LayerNorm over the last dimension, with an optional fused residual add.
 
     ``y = x_hat * (weight + weight_offset) + bias``, ``x_hat = (h - mean(h)) / sqrt(var(h) + eps)``.
@@ -185,4 +204,5 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     ``torch.nn.functional.layer_norm`` (fp32 arithmetic, one final cast to x's dtype).
     """
     return _norm(x, weight, bias, residual, is_rms=False, eps=eps, prenorm=prenorm,
-                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype)
+                 residual_in_fp32=residual_in_fp32, weight_offset=weight_offset, casting=casting, out_dtype=out_dtype,
+                 config=config)

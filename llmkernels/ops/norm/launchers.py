@@ -1,22 +1,126 @@
-"""The launchers: the forward and backward of [M, N] rows, each choosing its kernels' launch
-configuration and launching them."""
+"""The launchers: the forward and backward of ``[M, N]`` rows.
+
+What a call launches (kernels, constexprs, grids, the exchange slots' shape) depends on the
+shapes, dtypes and switches of its arguments, not on their data: it is resolved once per such
+key into a plan (``forward_plan`` / ``backward_plan``), cached, and each call only allocates its
+outputs and launches the plan's cached kernel handles (``_launch.Launcher``).
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .._launch import cdiv, fit_stages, launch, next_pow2, persistent_programs, pointer, row_stride
+from .. import _rowsplit
+from .._launch import Launcher, cdiv, fit_stages, launcher, next_pow2, persistent_programs, pointer, row_stride
 from .._rowsplit import resident_registers, split_grid
 from .backward import _norm_bwd_dots_kernel, _norm_bwd_kernel, _norm_bwd_split_kernel, _sum_partials_kernel
-from .configs import _bwd_config, _fwd_config, _fwd_split_config, _split_config
+from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
+                      BackwardConfig, ForwardConfig, SplitBwdConfig, SplitFwdConfig, check_config)
 from .forward import _norm_fwd_kernel, _norm_fwd_split_kernel
+from .tables import NormKey, backward_config, forward_config
+
+_MOST_PLANS = 4096  # plans cached per direction (rows vary with the batch); past it the cache starts over
 
 
-def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: float, is_rms: bool,
-              quantize: bool, out_dtype: torch.dtype, h_dtype: Optional[torch.dtype], store_stats: bool):
-    """x, residual: [M, N] with unit column stride. Returns (y [M, N], h [M, N] or None,
-    mean [M] fp32 or None, rstd [M] fp32 or None)."""
+class FwdPlan(NamedTuple):
+    """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
+    kernel's exchange slots (None: the rows kernel)."""
+
+    launch: Launcher
+    grid: tuple
+    slots: Optional[tuple]
+
+
+class BwdPlan(NamedTuple):
+    """What one backward launches: ``launch(grid, ...)`` (the split kernel where ``slots``, the
+    shape of its exchange slots, is set); ``dots``: the blocked loop's row dot products first;
+    ``partials``: rows of the dW / dB partials (1: the kernel writes dW / dB themselves), summed
+    by ``sums(sums_grid, ...)``."""
+
+    launch: Launcher
+    grid: tuple
+    slots: Optional[tuple]
+    dots: Optional[Launcher]
+    partials: int
+    sums: Optional[Launcher]
+    sums_grid: tuple
+
+
+FWD_PLANS: dict = {}  # key -> FwdPlan (``forward_plan``)
+BWD_PLANS: dict = {}  # key -> BwdPlan (``backward_plan``)
+
+
+def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool, residual: bool, weight: bool,
+                  bias: bool, quantize: bool, store_stats: bool, heads: int = 1) -> Launcher:
+    """The kernel handle of a forward in ``config`` over rows of ``n`` (a split configuration:
+    each row over ``parts`` programs), with the switches of the call (what is present)."""
+    switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=quantize,
+                    STORE_STATS=store_stats)
+    if isinstance(config, SplitFwdConfig):
+        return launcher(_norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, num_warps=config.num_warps,
+                        maxnreg=resident_registers(config.num_warps, config.per_sm))
+    return launcher(_norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
+                    num_warps=config.num_warps)
+
+
+def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms: bool, weight: bool, bias: bool,
+                  dh: bool, dres: bool, quantize: bool, heads: int = 1, dw_cols: int = 0, dw_rows: int = 1) -> Launcher:
+    """The kernel handle of a backward in ``config`` (a split configuration: each row over
+    ``parts`` programs), its pipelining ``stages`` (PREFETCH of the rows kernel) as fitted to the
+    device, with the switches of the call; ``dw_cols`` / ``dw_rows``: each program's share of
+    the dW / dB columns and rows a step, where it sums them (decode sizes)."""
+    switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=quantize)
+    if isinstance(config, SplitBwdConfig):
+        return launcher(_norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+                        BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
+    return launcher(_norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
+                    BLOCK_N=config.block_n, PREFETCH=stages, DW_COLS=dw_cols, DW_ROWS=dw_rows, TAIL_N=config.tail_n,
+                    num_warps=config.num_warps)
+
+
+def forward_plan(x, weight, bias, residual, heads: int, is_rms: bool, quantize: bool, store_stats: bool,
+                 config: Optional[ForwardConfig] = None) -> FwdPlan:
+    """The plan of ``norm_fwd`` with these arguments (``config``: instead of ``FORWARD``'s)."""
+    key = (x.shape, x.dtype, x.device, heads, is_rms, quantize, store_stats, residual is None, weight is None,
+           bias is None, config, _rowsplit.ROW_SPLIT)
+    plan = FWD_PLANS.get(key)
+    if plan is None:
+        if len(FWD_PLANS) >= _MOST_PLANS:
+            FWD_PLANS.clear()
+        plan = FWD_PLANS[key] = _forward_plan(x, weight is not None, bias is not None, residual is not None, heads,
+                                               is_rms, quantize, store_stats, config)
+    return plan
+
+
+def _forward_plan(x, weight: bool, bias: bool, residual: bool, heads: int, is_rms: bool, quantize: bool,
+                  store_stats: bool, config: Optional[ForwardConfig]) -> FwdPlan:
+    m, n = x.shape
+    dev = x.device
+    key = NormKey(is_rms, x.dtype, residual, n, m, persistent_programs(dev, 1), heads == 1)
+    if config is None:
+        config = forward_config(key)
+    else:
+        check_config(config, n, backward=False)
+    switches = dict(is_rms=is_rms, residual=residual, weight=weight, bias=bias, quantize=quantize,
+                    store_stats=store_stats, heads=heads)
+    if isinstance(config, SplitFwdConfig):
+        split = split_grid(n, m, config.block_n, dev, config.per_sm) if key.split else None
+        if split is not None:
+            parts, groups = split
+            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), (m, parts))
+        config = forward_config(key._replace(split=False))
+    return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
+
+
+def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: float, is_rms: bool,
+             quantize: bool, out_dtype: torch.dtype, h_dtype: Optional[torch.dtype], store_stats: bool,
+             config: Optional[ForwardConfig] = None):
+    """The forward of ``x [M, N]`` (and ``residual``; unit column stride): returns (y [M, N],
+    h [M, N] or None, mean [M] fp32 or None, rstd [M] fp32 or None). ``config``: the launch
+    configuration instead of the table's."""
     m, n = x.shape
     dev = x.device
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
@@ -25,135 +129,135 @@ def _norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: 
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    split_cfg = _fwd_split_config(is_rms, x.element_size(), residual is not None, n) if heads == 1 else None
-    split = split_grid(n, m, split_cfg[0], dev, split_cfg[2]) if split_cfg is not None else None
-    if split is not None:
-        parts, groups = split
-        block_n, num_warps, per_sm = split_cfg
-        launch(_norm_fwd_split_kernel, (groups * parts,),
-            x, pointer(residual, x), pointer(weight, x), pointer(bias, x),
-            y, pointer(h, y), pointer(mean, y), pointer(rstd, y),
-            torch.zeros((m, parts), dtype=torch.int64, device=dev),
-            m, n,
-            x.stride(0), row_stride(residual), y.stride(0), row_stride(h),
-            eps, weight_offset,
-            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            QUANTIZE=quantize, STORE_STATS=store_stats,
-            PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=block_n, EVEN=n % block_n == 0,
-            num_warps=num_warps, maxnreg=resident_registers(num_warps, per_sm),
-        )
-        return y, h, mean, rstd
-    block_m, block_n, num_warps, one_pass, early_w, tail_n = _fwd_config(n, m, is_rms, persistent_programs(dev, 1),
-                                                                        x.element_size(), residual is not None)
-    launch(_norm_fwd_kernel, (cdiv(m, block_m),),
-        x, pointer(residual, x), pointer(weight, x), pointer(bias, x),
-        y, pointer(h, y), pointer(mean, y), pointer(rstd, y),
-        m, n, heads,
-        x.stride(0), row_stride(residual), y.stride(0), row_stride(h),
-        eps, weight_offset,
-        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        PER_HEAD=heads > 1, QUANTIZE=quantize, STORE_STATS=store_stats,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, EARLY_W=early_w, TAIL_N=tail_n, num_warps=num_warps,
-    )
+    handle, grid, slots = forward_plan(x, weight, bias, residual, heads, is_rms, quantize, store_stats, config)
+    if slots is None:
+        handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
+               pointer(mean, y), pointer(rstd, y), m, n, heads, x.stride(0), row_stride(residual), y.stride(0),
+               row_stride(h), eps, weight_offset)
+    else:
+        handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
+               pointer(mean, y), pointer(rstd, y), torch.zeros(slots, dtype=torch.int64, device=dev), m, n,
+               x.stride(0), row_stride(residual), y.stride(0), row_stride(h), eps, weight_offset)
     return y, h, mean, rstd
 
 
-def _norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd, heads: int, weight_offset: float,
-              is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
-              share_dres: bool = False):
-    """Gradients of the forward above. ``xin [M, N]`` is the norm's input (``h`` with a
-    residual); ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``.
-    ``share_dres``: return dx itself as dresidual when the dtypes match (saves a write; only
-    safe when neither input is a leaf whose ``.grad`` would then alias the other's).
-    Returns (dx, dresidual or None, dweight or None, dbias [heads * N] of ``bias_dtype`` (None
-    without a bias))."""
-    has_bias = bias_dtype is not None
+def backward_plan(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], heads: int, is_rms: bool, quantize: bool,
+                  dres: bool, config: Optional[BackwardConfig] = None) -> BwdPlan:
+    """The plan of ``norm_bwd`` with these arguments (``dres``: a dresidual written apart from
+    dx; ``config``: instead of ``BACKWARD``'s)."""
+    key = (xin.shape, xin.dtype, xin.device, dy.dtype, None if dh is None else dh.dtype,
+           None if weight is None else weight.dtype, bias_dtype, heads, is_rms, quantize, dres, config,
+           _rowsplit.ROW_SPLIT)
+    plan = BWD_PLANS.get(key)
+    if plan is None:
+        if len(BWD_PLANS) >= _MOST_PLANS:
+            BWD_PLANS.clear()
+        plan = BWD_PLANS[key] = _backward_plan(dy, dh, xin, weight, bias_dtype is not None, heads, is_rms, quantize,
+                                                dres, config)
+    return plan
+
+
+def _backward_plan(dy, dh, xin, weight, bias: bool, heads: int, is_rms: bool, quantize: bool, dres: bool,
+                   config: Optional[BackwardConfig]) -> BwdPlan:
+    m, n = xin.shape
+    dev = xin.device
+    # (residual: the gradient of h flows in; the decode rows are measured for one weight row only)
+    key = NormKey(is_rms, xin.dtype, dh is not None, n, m, persistent_programs(dev, 1) if heads == 1 else 0,
+                  heads == 1)
+    if config is None:
+        config = backward_config(key)
+    else:
+        check_config(config, n, backward=True)
+    # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
+    row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
+    switches = dict(is_rms=is_rms, weight=weight is not None, bias=bias, dh=dh is not None, dres=dres,
+                    quantize=quantize)
+    if isinstance(config, SplitBwdConfig):
+        split = split_grid(n, m, config.block_n, dev) if key.split else None
+        if split is not None:
+            parts, programs = split
+            handle = _bwd_launcher(config, parts, stages=fit_stages(config.stages, config.block_n * row_bytes, dev),
+                                   **switches)
+            return _with_sums(handle, (programs * parts,), (m + programs, parts, 2), None, programs, heads * n,
+                              switches)
+        config = backward_config(key._replace(split=False))
+    chunks = 1 if config.one_pass else cdiv(n, config.block_n)
+    programs = max(1, min(cdiv(m // heads, config.block_m),
+                          cdiv(persistent_programs(dev, config.per_sm), heads * chunks)))
+    if config.max_programs:
+        programs = min(programs, config.max_programs)
+    # Capped programs (decode sizes), one head and column chunk: each program of several also sums
+    # dW / dB of its share of the columns over every row, so no partials.
+    by_columns = config.max_programs and programs > 1 and heads == 1 and config.one_pass
+    dw_cols = next_pow2(cdiv(n, programs)) if by_columns else 0
+    weight_bytes = 0 if weight is None else weight.element_size()
+    stages = fit_stages(config.prefetch, (config.block_n + config.tail_n) * (config.block_m * row_bytes + weight_bytes),
+                        dev)
+    handle = _bwd_launcher(config, stages=stages, heads=heads, dw_cols=dw_cols,
+                           dw_rows=min(next_pow2(m), max(1, DW_STEP_ELEMENTS // dw_cols)) if dw_cols else 1, **switches)
+    dots = None if config.one_pass else launcher(_norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=weight is not None,
+                                                 PER_HEAD=heads > 1, BLOCK_N=DOTS_BLOCK_N, num_warps=DOTS_WARPS)
+    return _with_sums(handle, (programs, heads, chunks), None, dots, 1 if dw_cols else programs, heads * n,
+                      switches)
+
+
+def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches: dict) -> BwdPlan:
+    """The plan, with the launch that sums ``partials`` rows of partials of ``columns`` dW / dB."""
+    if partials == 1:
+        return BwdPlan(handle, grid, slots, dots, 1, None, ())
+    block_n = min(SUMS_BLOCK_N, next_pow2(columns))
+    sums = launcher(_sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
+                    BLOCK_N=block_n, num_warps=SUMS_WARPS)
+    return BwdPlan(handle, grid, slots, dots, partials, sums, (cdiv(columns, block_n),))
+
+
+def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd, heads: int, weight_offset: float,
+             is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
+             share_dres: bool = False, config: Optional[BackwardConfig] = None):
+    """Gradients of ``norm_fwd``. ``xin [M, N]`` is the norm's input (``h`` with a residual);
+    ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``. ``share_dres``:
+    return dx itself as dresidual when the dtypes match (saves a write; only safe when neither
+    input is a leaf whose ``.grad`` would then alias the other's). ``config``: the launch
+    configuration instead of the table's. Returns (dx, dresidual or None, dweight or None,
+    dbias [heads * N] of ``bias_dtype`` (None without a bias))."""
     m, n = xin.shape
     dev = xin.device
     dx = torch.empty((m, n), dtype=x_dtype, device=dev)
     dres = None
     if res_dtype is not None:
-        share = share_dres and res_dtype == x_dtype
-        dres = dx if share else torch.empty((m, n), dtype=res_dtype, device=dev)
-    # The decode rule is measured for one weight row (heads == 1) only.
-    block_m, block_n, num_warps, one_pass, per_sm, max_programs, prefetch, tail_n = _bwd_config(
-        n, m, is_rms, persistent_programs(dev, 1) if heads == 1 else 0, xin.element_size())
-    rows_per_head = m // heads
-    # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
-    row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
-    split = None
-    if not one_pass and heads == 1:
-        split_cols, split_warps, split_stages, split_w_packed = _split_config(is_rms, xin.dtype)
-        split = split_grid(n, m, split_cols, dev)
-    n_chunks = 1 if one_pass else cdiv(n, block_n)
-    if split is not None:
-        parts, n_progs = split
+        dres = dx if share_dres and res_dtype == x_dtype else torch.empty((m, n), dtype=res_dtype, device=dev)
+    if m == 0:
+        dw = None if weight is None else torch.zeros((1, heads * n), dtype=weight.dtype, device=dev)[0]
+        db = None if bias_dtype is None else torch.zeros((1, heads * n), dtype=bias_dtype, device=dev)[0]
+        return dx, dres, None if dw is None else dw.view(weight.shape), db
+    plan = backward_plan(dy, dh, xin, weight, bias_dtype, heads, is_rms, quantize, dres is not None and dres is not dx,
+                         config)
+    partials = plan.partials
+    part_dtype = torch.float32 if partials > 1 else None
+    dw_part = None if weight is None else torch.empty((partials, heads * n), dtype=part_dtype or weight.dtype,
+                                                      device=dev)
+    db_part = None if bias_dtype is None else torch.empty((partials, heads * n), dtype=part_dtype or bias_dtype,
+                                                          device=dev)
+    if plan.slots is not None:
+        plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
+                    pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd,
+                    torch.zeros(plan.slots, dtype=torch.int64, device=dev), m, n, xin.stride(0), dy.stride(0),
+                    row_stride(dh), dx.stride(0), row_stride(dres), weight_offset)
     else:
-        n_progs = max(1, min(cdiv(rows_per_head, block_m), cdiv(persistent_programs(dev, per_sm), heads * n_chunks)))
-        if max_programs:
-            n_progs = min(n_progs, max_programs)
-    # Decode sizes (a program cap), one head and column chunk: each program of several also
-    # computes dW/dB of its share of the columns over all rows; one program sums its rows'.
-    # Either way the kernel writes dW/dB in their dtypes, no partials to sum in a second launch.
-    dw_cols = next_pow2(cdiv(n, n_progs)) if max_programs and n_progs > 1 and heads == 1 and one_pass else 0
-    direct = n_progs == 1 or dw_cols > 0
-    dw_part = (torch.empty((1 if direct else n_progs, heads * n), dtype=weight.dtype if direct else torch.float32,
-                           device=dev) if weight is not None else None)
-    db_part = (torch.empty((1 if direct else n_progs, heads * n), dtype=bias_dtype if direct else torch.float32,
-                           device=dev) if has_bias else None)
-    if m > 0 and split is not None:
-        launch(_norm_bwd_split_kernel, (n_progs * parts,),
-               xin, pointer(weight, xin), dy, pointer(dh, dy), dx,
-               pointer(dres, dx),
-               pointer(dw_part, dx), pointer(db_part, dx),
-               pointer(mean, rstd), rstd,
-               torch.zeros((m + n_progs, parts, 2), dtype=torch.int64, device=dev),
-               m, n,
-               xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0),
-               row_stride(dres),
-               weight_offset,
-               IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
-               HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-               PARTS=parts, PARTS_POW2=next_pow2(parts), BLOCK_N=split_cols,
-               STAGES=fit_stages(split_stages, split_cols * row_bytes, dev), W_PACKED=split_w_packed,
-               num_warps=split_warps)
-    elif m > 0:
         dots = None
-        if not one_pass:
+        if plan.dots is not None:
             dots = torch.empty((m, 2), dtype=torch.float32, device=dev)
-            launch(_norm_bwd_dots_kernel, (m,),
-                xin, pointer(weight, xin), dy, pointer(mean, rstd), rstd, dots,
-                n, heads, xin.stride(0), dy.stride(0), weight_offset,
-                IS_RMS=is_rms, HAS_W=weight is not None, PER_HEAD=heads > 1, BLOCK_N=8192, num_warps=16,
-            )
-        launch(_norm_bwd_kernel, (n_progs, heads, n_chunks),
-            xin, pointer(weight, xin), dy, pointer(dh, dy), dx,
-            pointer(dres, dx),
-            pointer(dw_part, dx), pointer(db_part, dx),
-            pointer(mean, rstd), rstd, pointer(dots, rstd),
-            rows_per_head, n, heads,
-            xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0),
-            row_stride(dres),
-            weight_offset,
-            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DH=dh is not None,
-            HAS_DRES=dres is not None and dres is not dx, QUANTIZE=quantize,
-            PRECOMPUTED_DOTS=not one_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-            PREFETCH=fit_stages(prefetch, (block_n + tail_n) * (block_m * row_bytes + (0 if weight is None else
-                                                                                        weight.element_size())), dev),
-            DW_COLS=dw_cols, DW_ROWS=min(next_pow2(m), max(1, 4096 // dw_cols)) if dw_cols else 1, TAIL_N=tail_n,
-            num_warps=num_warps,
-        )
-    elif dw_part is not None or db_part is not None:
-        dw_part = None if dw_part is None else dw_part.zero_()
-        db_part = None if db_part is None else db_part.zero_()
-    if direct:
+            plan.dots((m,), xin, pointer(weight, xin), dy, pointer(mean, rstd), rstd, dots, n, heads, xin.stride(0),
+                      dy.stride(0), weight_offset)
+        plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
+                    pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd, pointer(dots, rstd),
+                    m // heads, n, heads, xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0), row_stride(dres),
+                    weight_offset)
+    if plan.sums is None:
         dw, db = (None if dw_part is None else dw_part[0]), (None if db_part is None else db_part[0])
     else:
         dw = None if weight is None else torch.empty(heads * n, dtype=weight.dtype, device=dev)
-        db = torch.empty(heads * n, dtype=bias_dtype, device=dev) if has_bias else None
-        block_n = min(64, next_pow2(heads * n))
-        launch(_sum_partials_kernel, (cdiv(heads * n, block_n),), pointer(dw_part, db_part),
-               pointer(db_part, dw_part), pointer(dw, db), pointer(db, dw),
-               n_progs, heads * n, HAS_W=dw is not None, HAS_B=db is not None, BLOCK_P=32, BLOCK_N=block_n,
-               num_warps=4)
+        db = None if bias_dtype is None else torch.empty(heads * n, dtype=bias_dtype, device=dev)
+        plan.sums(plan.sums_grid, pointer(dw_part, db_part), pointer(db_part, dw_part), pointer(dw, db),
+                  pointer(db, dw), partials, heads * n)
     return dx, dres, None if dw is None else dw.view(weight.shape), db

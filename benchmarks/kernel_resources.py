@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llmkernels.ops.norm import launchers as N_
+from llmkernels.ops.norm import backward as norm_backward, forward as norm_forward
 from llmkernels.ops._rowsplit import resident_registers
 
 CONFIGS = [  # (columns per program, num_warps)
@@ -41,7 +41,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
     ptr = "*" + dtype
     options = dict(num_warps=num_warps)
     if forward:
-        kernel = N_._norm_fwd_split_kernel
+        kernel = norm_forward._norm_fwd_split_kernel
         types = dict(X=ptr, RES=ptr, W=ptr, B=ptr, Y=ptr, H=ptr, MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32",
                      N="i32", stride_x="i32", stride_res="i32", stride_y="i32", stride_h="i32", eps="fp32",
                      weight_offset="fp32")
@@ -50,7 +50,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                           EVEN=True)
         options["maxnreg"] = resident_registers(num_warps, per_sm)
     else:
-        kernel = N_._norm_bwd_split_kernel
+        kernel = norm_backward._norm_bwd_split_kernel
         types = dict(X=ptr, W=ptr, DY=ptr, DH=ptr, DX=ptr, DRES=ptr, DW_PART="*fp32", DB_PART="*fp32",
                      MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32", N="i32", stride_x="i32", stride_dy="i32",
                      stride_dh="i32", stride_dx="i32", stride_dres="i32", weight_offset="fp32")

@@ -37,7 +37,7 @@ from .. import reference
 from ._common import cdiv, use_kernels
 from .cross_entropy import (_launch, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
                             package_output, row_buffers, scale_rows_, start_target_check)
-from .vocab_chunks import accumulate_mm, check_head, grads_by_vocab_chunks
+from .vocab_chunks import accumulate_mm, aligned_cols, check_head, grads_by_vocab_chunks
 
 ROWS_PER_CHUNK = 2048
 LOW_MEMORY_CHUNK_BYTES = 64 * 2**20  # memory="low": logits of a chunk (its rows, or its vocabulary columns)
@@ -105,14 +105,14 @@ def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype, memory: str):
 def _weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, *, need: tuple, chunk: int,
                            ignore_index: int, smoothing: float, z_coef: float, softcap: Optional[float]):
     """``memory="low"``: (grad_weight, grad_bias) over vocabulary chunks of ``chunk * V / M``
-    columns (a row chunk's worth of logits), for the per-row upstream ``scale`` (0-d or ``[M]``
+    columns (a row chunk's worth of logits, aligned), for the per-row upstream ``scale`` (0-d or ``[M]``
     fp32); the gradient is ``s (p (1 + 2 z_loss lse) - eps / V - (1 - eps) onehot)``."""
     m, v = hidden.shape[0], weight.shape[0]
     s = scale.to(torch.float32).expand(m)
     coefs = torch.stack((s * (1.0 + 2.0 * z_coef * lse), s, s * (smoothing / v), s * (1.0 - smoothing)))
     _, gw, gb = grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None, need=(False, *need[1:]),
                                       ignore_index=ignore_index, softcap=softcap, has_c=smoothing > 0,
-                                      cols=max(1, chunk * v // max(m, 1)))
+                                      cols=aligned_cols(max(1, chunk * v // max(m, 1)), v))
     return gw, gb
 
 

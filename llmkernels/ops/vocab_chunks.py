@@ -40,6 +40,7 @@ from .cross_entropy import _softcapped, _through_softcap
 # gradient it produces.
 CHUNK_BYTES = 256 * 2**20
 BLOCK_V = 4096  # columns a program of the gradient kernel writes
+COLUMN_ALIGN = 128  # chunks of a multiple of 128 columns keep every row of a block 16-byte aligned for cuBLAS
 GRAD_WARPS = 8
 
 
@@ -80,8 +81,13 @@ def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_si
 
 
 def chunk_cols(m: int, v: int, element_size: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Columns per vocabulary chunk: ``chunk_bytes`` of ``[M, Cv]`` logits, likewise."""
-    return _fit(v, m, element_size, device, chunk_bytes)
+    """Columns per vocabulary chunk: ``chunk_bytes`` of ``[M, Cv]`` logits, likewise, aligned."""
+    return aligned_cols(_fit(v, m, element_size, device, chunk_bytes), v)
+
+
+def aligned_cols(cols: int, v: int) -> int:
+    """``cols`` rounded up to a multiple of ``COLUMN_ALIGN`` (at most ``v``)."""
+    return min(v, cdiv(cols, COLUMN_ALIGN) * COLUMN_ALIGN)
 
 
 def _fit(n: int, other: int, element_size: int, device: torch.device, chunk_bytes: int) -> int:

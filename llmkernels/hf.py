@@ -657,9 +657,6 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
     report.patched += [f"{key} ({n} modules)" for key, n in counts.items()]
     for name in sorted(unknown_norms):
         report.not_patched[name] = "norm class whose exact numerics llmkernels does not know"
-    if mlp and family is not None and not family.mlps:
-        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
-
     if family is None:
         why = f"model type {model_type!r} is not one of {', '.join(supported_model_types())}"
         report.not_patched["rope"] = report.not_patched["loss"] = why
@@ -672,6 +669,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         not_causal_lm = _scaled_logits_reason(config)
     text_family = _FAMILIES.get(getattr(config.get_text_config(), "model_type", None))
     families = [family] + ([text_family] if text_family is not None and text_family.module != family.module else [])
+    if mlp and not any(f.mlps for f in families):
+        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
     why = _patch_rope_and_loss_reason(families, report, rope, cross_entropy, not_causal_lm)
     if why:
         report.not_patched["loss"] = why

@@ -12,8 +12,8 @@ Targets (bf16; ``--tiny`` shrinks the shapes and runs on the CPU, no memory figu
              1024 tokens, ``unfused_trl``), and ``torch.compile`` of the first. Upstream: random
              per-token gradients of logp (and entropy). Floors: <= 0.8 x the unfused time,
              <= 1/10 of its peak memory.
-  distill    M=8192, H=4096, V=128256, JSD beta=0.5, T=1: ``linear_distill_loss`` (fp32 and bf16
-             weight-gradient sums) against Liger's ``LigerFusedLinearJSD`` (same quantity: mean
+  distill    M=8192, H=4096, V=128256, JSD beta=0.5, T=1: ``linear_distill_loss`` (default
+             ``memory="low"``, and ``"fast"`` with fp32 and bf16 weight-gradient sums) against Liger's ``LigerFusedLinearJSD`` (same quantity: mean
              over the rows not ignored of beta KL(P||M) + (1-beta) KL(Q||M)) and the unfused
              loss. Floors: <= 0.8 x Liger's time, no more peak memory.
   lce        M=16384, H=4096, V=128256: ``linear_cross_entropy`` (default and ``memory="low"``)
@@ -180,8 +180,10 @@ def bench_distill(torch, lk, runner, shape, device, dtype):
 
     providers = {
         "llmkernels": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, kind="jsd", beta=0.5),
-        "llmkernels_accum_bf16": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, beta=0.5,
-                                                                     accum_dtype=None),
+        "llmkernels_fast": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, beta=0.5,
+                                                               memory="fast"),
+        "llmkernels_fast_accum_bf16": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, beta=0.5,
+                                                                          memory="fast", accum_dtype=None),
         "unfused": unfused,
     }
     try:
@@ -255,6 +257,8 @@ def evaluate(records):
         ("log_probs+entropy time vs unfused", "log_probs", "llmkernels_entropy", "unfused_fp32_entropy", "ms", 0.8),
         ("distill time vs liger", "distill", "llmkernels", "liger", "ms", 0.8),
         ("distill peak vs liger", "distill", "llmkernels", "liger", "peak_bytes", 1.0),
+        ("distill fast time vs liger", "distill", "llmkernels_fast", "liger", "ms", None),
+        ("distill fast peak vs liger", "distill", "llmkernels_fast", "liger", "peak_bytes", None),
         ("lce low beyond-grads vs liger", "lce", "llmkernels_low", "liger", "beyond_grads_bytes", 1.0),
         ("lce low peak vs liger", "lce", "llmkernels_low", "liger", "peak_bytes", 1.0),
         ("lce low time vs default", "lce", "llmkernels_low", "llmkernels", "ms", None),

@@ -35,8 +35,8 @@ def check_distill(student, teacher, target, *, needs=(True, True), tol_scale=1.0
     leaves = [t.clone().requires_grad_(n) for t, n in zip(student, needs)]
     refs = [t.double().requires_grad_(n) for t, n in zip(student, needs)]
     loss = lk.linear_distill_loss(*leaves, *teacher, target, **opts)
-    opts.pop("chunk_size", None)
-    opts.pop("accum_dtype", None)
+    for option in ("chunk_size", "accum_dtype", "memory"):
+        opts.pop(option, None)
     ref = reference.linear_distill_loss(*refs, *(t.double() for t in teacher), target, compute_dtype=torch.float64,
                                         **opts)
     tol = dtype if dtype == torch.float32 else torch.bfloat16
@@ -52,12 +52,15 @@ def check_distill(student, teacher, target, *, needs=(True, True), tol_scale=1.0
     return loss, dict(zip([name for name, _, _ in wrt], grads))
 
 
+@pytest.mark.parametrize("memory", ["low", "fast"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("kind", ["jsd", "forward_kl", "reverse_kl"])
-def test_matches_reference(kind, reduction, device):
-    """fp32, a teacher twice as wide as the student, 4-row chunks of 11 rows."""
+def test_matches_reference(kind, reduction, memory, device):
+    """fp32, a teacher twice as wide as the student, 4-row chunks of 11 rows (low memory: and
+    vocabulary chunks of 256 columns, the last one ragged)."""
     student, teacher, target = make_pair(11, 16, 32, 500, torch.float32, device)
-    check_distill(student, teacher, target, kind=kind, beta=0.3, temperature=1.7, reduction=reduction, chunk_size=4)
+    check_distill(student, teacher, target, kind=kind, beta=0.3, temperature=1.7, reduction=reduction, chunk_size=4,
+                  memory=memory)
 
 
 @pytest.mark.parametrize("kind", ["jsd", "forward_kl", "reverse_kl"])
@@ -68,7 +71,7 @@ def test_bf16(kind, device):
 
 def test_accumulation_in_weight_dtype_partial_grads_and_no_target(device):
     student, teacher, target = make_pair(9, 16, 16, 300, torch.bfloat16, device)
-    check_distill(student, teacher, target, accum_dtype=None, chunk_size=2, reduction="sum")
+    check_distill(student, teacher, target, memory="fast", accum_dtype=None, chunk_size=2, reduction="sum")
     student, teacher, _ = make_pair(9, 16, 16, 300, torch.float32, device)
     check_distill(student, teacher, None, kind="forward_kl", needs=(True, False))
     check_distill(student, teacher, None, kind="reverse_kl", needs=(False, True), reduction="none")
@@ -86,6 +89,26 @@ def test_ignored_rows_contribute_nothing_and_liger_beta(device):
     small = lk.linear_distill_loss(*student, *teacher, target, beta=1e-4)
     large = lk.linear_distill_loss(*student, *teacher, target, beta=0.5)
     assert 0 < small < 1e-3 * large
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocator statistics need CUDA")
+def test_low_memory_peak():
+    """memory="low": forward + backward hold the gradients and one chunk of each model's logits
+    (no [V, H] fp32 accumulator)."""
+    m, h, v, chunk = 256, 64, 50000, 16
+    (hs, ws), teacher, target = make_pair(m, h, h, v, torch.bfloat16, "cuda")
+    hs, ws = hs.requires_grad_(), ws.requires_grad_()
+    run = lambda: lk.linear_distill_loss(hs, ws, *teacher, target, chunk_size=chunk).backward()  # noqa: E731
+    run()  # warm-up: kernels, cuBLAS workspace
+    hs.grad = ws.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads, blocks = (m + v) * h * 2, 2 * m * 3200 * 2  # vocabulary chunks: 16 * 50000 / 256 columns, aligned
+    assert grads + v * h * 4 > grads + blocks + 2**20  # an fp32 accumulator would exceed the bound
+    assert peak <= grads + blocks + 2**20, f"peak {peak} B"
 
 
 def test_backward_twice_raises(device):
@@ -115,6 +138,7 @@ def test_bad_input(device):
         (ValueError, "reduction must be one of", (hs, ws, ht, wt), dict(reduction="max")),
         (ValueError, "accum_dtype", (hs, ws, ht, wt), dict(accum_dtype=torch.bfloat16)),
         (ValueError, "chunk_size", (hs, ws, ht, wt), dict(chunk_size=0)),
+        (ValueError, "memory must be one of", (hs, ws, ht, wt), dict(memory="small")),
     ]
     for exc, msg, args, kw in cases:
         with pytest.raises(exc, match=msg):
@@ -149,5 +173,6 @@ def test_compile_fullgraph(reduction, device):
 def test_opcheck(device):
     student, teacher, target = make_pair(5, 8, 8, 40, torch.float32, device)
     h, w = (t.requires_grad_() for t in student)
-    torch.library.opcheck(distill_ops._distill_fwd_op, (h, w, *teacher, target, "jsd", 0.5, 1.0, -100, "none", 2,
-                                                        torch.float32, [True, True]))
+    for memory in ("low", "fast"):
+        torch.library.opcheck(distill_ops._distill_fwd_op, (h, w, *teacher, target, "jsd", 0.5, 1.0, -100, "none", 2,
+                                                            torch.float32, [True, True], memory))

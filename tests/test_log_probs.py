@@ -129,7 +129,7 @@ def test_bad_input(device):
         (ValueError, r"bias must have shape \[20\]", (hidden, weight, target), dict(bias=b[:5])),
         (ValueError, r"target must have shape \[4\]", (hidden, weight, target[:2]), {}),
         (TypeError, "target must be int64 or int32", (hidden, weight, target.float()), {}),
-        (ValueError, r"target\[1\] = 20 is outside \[0, 20\)", (hidden, weight, torch.tensor([0, 20, 1, 2])), {}),
+        (ValueError, r"target\[1\] = 20 is outside \[0, 20\)", (hidden, weight, torch.tensor([0, 20, 1, 2], device=device)), {}),
         (ValueError, "temperature", (hidden, weight, target), dict(temperature=0.0)),
         (ValueError, "vocab_chunk_size", (hidden, weight, target), dict(vocab_chunk_size=0)),
         (TypeError, "ignore_index", (hidden, weight, target), dict(ignore_index=None)),

@@ -34,15 +34,17 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._common import launch, use_kernels
+from ._common import cdiv, launch, use_kernels
 from .cross_entropy import REDUCTIONS, check_target, count_rows, scale_rows_
 from .log_probs import check_chunk_size, check_temperature
-from .vocab_chunks import chunk_rows, accumulate_mm, check_head
+from .vocab_chunks import CHUNK_BYTES, accumulate_mm, aligned_cols, check_head, chunk_rows
 
 KINDS = reference.DISTILL_KINDS
 _KIND_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's KIND
 BLOCK_V = 4096
 NUM_WARPS = 8
+MEMORY_MODES = ("low", "fast")
+LOW_MEMORY_CHUNK_BYTES = 64 * 2**20  # memory="low": logits of a chunk of each model
 
 
 @triton.jit
@@ -78,12 +80,42 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta):
 
 
 @triton.jit
-def _distill_kernel(S, TT, LOSS, TGT, SCALE, V, stride_s, stride_t, stride_scale, ignore_index, inv_temp, beta,
-                    KIND: tl.constexpr, GRAD: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    BLOCK_V: tl.constexpr):
+def _grad_tile(zs, zt, lse_s, lse_t, aux, beta, KIND: tl.constexpr):
+    """d loss / d zs of a tile from the row statistics (``aux``: the row's KL for the reverse KL,
+    ``sum Q d`` for the JSD)."""
+    if KIND == 0:
+        g = tl.exp(zs - lse_s[:, None]) - tl.exp(zt - lse_t[:, None])
+    elif KIND == 1:
+        q = tl.exp(zs - lse_s[:, None])
+        g = tl.where(q > 0, q * ((zs - lse_s[:, None]) - (zt - lse_t[:, None]) - aux[:, None]), 0.0)
+    else:
+        _, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
+        g = q * (d - aux[:, None])
+    return g
+
+
+@triton.jit
+def _row_scale(TGT, SCALE, row, stride_scale, ignore_index, inv_temp, HAS_TARGET: tl.constexpr,
+               HAS_SCALE: tl.constexpr):
+    """(whether the row counts, its gradient scale: upstream times ``inv_temp``), each ``[1]``."""
+    one = tl.arange(0, 1)
+    valid = tl.full([1], 1, tl.int1)
+    if HAS_TARGET:
+        valid = tl.load(TGT + row + one) != ignore_index
+    scale = tl.full([1], 1.0, tl.float32) * inv_temp
+    if HAS_SCALE:
+        scale *= tl.load(SCALE + row * stride_scale + one).to(tl.float32)
+    return valid, scale
+
+
+@triton.jit
+def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, stride_stats, stride_scale, ignore_index,
+                    inv_temp, beta, KIND: tl.constexpr, GRAD: tl.constexpr, HAS_TARGET: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row per program of student logits ``S`` and teacher logits ``TT``: ``LOSS[row]`` (0 for
-    ignored rows) and, with GRAD, the gradient times ``SCALE`` (0-d or per row) and ``inv_temp``
-    written over the row of ``S``. KIND: 0 forward KL, 1 reverse KL, 2 JSD."""
+    ignored rows), ``STATS[:, row]`` (lse of each, and ``aux`` of ``_grad_tile``) and, with GRAD,
+    the gradient times ``SCALE`` (0-d or per row) and ``inv_temp`` written over the row of ``S``.
+    KIND: 0 forward KL, 1 reverse KL, 2 JSD."""
     row = tl.program_id(0).to(tl.int64)
     s_row = S + row * stride_s
     t_row = TT + row * stride_t
@@ -107,44 +139,61 @@ def _distill_kernel(S, TT, LOSS, TGT, SCALE, V, stride_s, stride_t, stride_scale
     lse_t = tl.where(mt == float("-inf"), 0.0, mt) + tl.log(st)
     if KIND == 0:
         loss = w / st - lse_t + lse_s
+        aux = loss
     elif KIND == 1:
         loss = w / ss - lse_s + lse_t
+        aux = loss
     else:
         loss = tl.zeros([1], dtype=tl.float32)
-        qd = tl.zeros([1], dtype=tl.float32)
+        aux = tl.zeros([1], dtype=tl.float32)  # sum over classes of Q d
         for offset in range(0, V, BLOCK_V):
             cols, zs, zt = _logits_pair(s_row, t_row, offset, V, inv_temp, BLOCK_V)
             terms, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
             loss += tl.sum(terms, axis=1)
-            qd += tl.sum(q * d, axis=1)
-    valid = tl.full([1], 1, tl.int1)
-    if HAS_TARGET:
-        valid = tl.load(TGT + row + one) != ignore_index
+            aux += tl.sum(q * d, axis=1)
+    valid, scale = _row_scale(TGT, SCALE, row, stride_scale, ignore_index, inv_temp, HAS_TARGET, HAS_SCALE)
     tl.store(LOSS + row + one, tl.where(valid, loss, 0.0))
+    tl.store(STATS + row + one, lse_s)
+    tl.store(STATS + stride_stats + row + one, lse_t)
+    tl.store(STATS + 2 * stride_stats + row + one, aux)
     if GRAD:
-        scale = tl.full([1], 1.0, tl.float32) * inv_temp
-        if HAS_SCALE:
-            scale *= tl.load(SCALE + row * stride_scale + one).to(tl.float32)
         for offset in range(0, V, BLOCK_V):
             cols, zs, zt = _logits_pair(s_row, t_row, offset, V, inv_temp, BLOCK_V)
-            if KIND == 0:
-                g = tl.exp(zs - lse_s[:, None]) - tl.exp(zt - lse_t[:, None])
-            elif KIND == 1:
-                q = tl.exp(zs - lse_s[:, None])
-                g = tl.where(q > 0, q * ((zs - lse_s[:, None]) - (zt - lse_t[:, None]) - loss[:, None]), 0.0)
-            else:
-                _, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
-                g = q * (d - qd[:, None])
+            g = _grad_tile(zs, zt, lse_s, lse_t, aux, beta, KIND)
             g = tl.where(valid[:, None], g * scale[:, None], 0.0)
             tl.store(s_row + cols, g.to(S.dtype.element_ty), mask=cols < V)
 
 
-def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, *, kind: str,
-             beta: float, temperature: float, ignore_index: int, chunk: int, grads=(None, None), scale=None,
-             grad: bool = False):
-    """The chunk loop: ``loss_rows [M]``; with ``grad`` also ``grads = (grad_hidden [M, Hs],
-    grad_weight accumulator [V, Hs])`` (each optional) for the upstream ``scale`` (None: 1; a
-    0-d or ``[M]`` fp32 tensor)."""
+@triton.jit
+def _distill_block_kernel(S, TT, STATS, TGT, SCALE, N, stride_s, stride_t, stride_stats, stride_scale, ignore_index,
+                          inv_temp, beta, KIND: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """``memory="low"``: the gradient of columns ``[0, N)`` of a vocabulary chunk (student logits
+    ``S [M, N]``, teacher's ``TT``) from the row statistics ``STATS [3, M]`` of the row pass,
+    written over ``S``. Grid: (M, cdiv(N, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    one = tl.arange(0, 1)
+    offset = tl.program_id(1) * BLOCK
+    cols, zs, zt = _logits_pair(S + row * stride_s, TT + row * stride_t, offset, N, inv_temp, BLOCK)
+    lse_s = tl.load(STATS + row + one)
+    lse_t = tl.load(STATS + stride_stats + row + one)
+    aux = tl.load(STATS + 2 * stride_stats + row + one)
+    valid, scale = _row_scale(TGT, SCALE, row, stride_scale, ignore_index, inv_temp, HAS_TARGET, HAS_SCALE)
+    g = tl.where(valid[:, None], _grad_tile(zs, zt, lse_s, lse_t, aux, beta, KIND) * scale[:, None], 0.0)
+    tl.store(S + row * stride_s + cols, g.to(S.dtype.element_ty), mask=cols < N)
+
+
+def _kernel_flags(kind: str, target, scale) -> dict:
+    """The constexprs the two kernels share."""
+    return dict(KIND=_KIND_CODES[kind], HAS_TARGET=target is not None, HAS_SCALE=scale is not None)
+
+
+def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, *,
+             kind: str, beta: float, temperature: float, ignore_index: int, chunk: int, grads=(None, None),
+             scale=None, grad: bool = False):
+    """The row-chunk loop: ``loss_rows [M]`` and ``stats [3, M]``; with ``grad`` also ``grads =
+    (grad_hidden [M, Hs], grad_weight accumulator [V, Hs])`` (each optional) for the upstream
+    ``scale`` (None: 1; a 0-d or ``[M]`` fp32 tensor)."""
     grad_hidden, grad_weight = grads
     m, v = student_hidden.shape[0], student_weight.shape[0]
     rows = min(chunk, m)
@@ -156,15 +205,40 @@ def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, tar
         torch.mm(student_hidden[a:b], student_weight.t(), out=s)
         torch.mm(teacher_hidden[a:b], teacher_weight.t(), out=t)
         row_scale = None if scale is None else (scale if scale.dim() == 0 else scale[a:b])
-        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], loss_rows if target is None else target[a:b],
-               loss_rows if row_scale is None else row_scale, v, s.stride(0), t.stride(0),
+        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b],
+               loss_rows if target is None else target[a:b],
+               loss_rows if row_scale is None else row_scale, v, s.stride(0), t.stride(0), stats.stride(0),
                0 if row_scale is None or row_scale.dim() == 0 else row_scale.stride(0), ignore_index,
-               1.0 / temperature, beta, KIND=_KIND_CODES[kind], GRAD=grad,
-               HAS_TARGET=target is not None, HAS_SCALE=row_scale is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+               1.0 / temperature, beta, GRAD=grad, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+               **_kernel_flags(kind, target, row_scale))
         if grad and grad_hidden is not None:
             torch.mm(s, student_weight, out=grad_hidden[a:b])
         if grad and grad_weight is not None:
             accumulate_mm(grad_weight, s.t(), student_hidden[a:b])
+
+
+def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats, scale, *,
+                          chunk: int, kind: str, beta: float, temperature: float, ignore_index: int):
+    """``memory="low"``: the student's weight gradient over vocabulary chunks of a row chunk's
+    worth of logits (``chunk * V / M`` columns, aligned), from the row statistics: both models'
+    logits ``[M, Cv]`` recomputed, the gradient written over the student's, ``grad_weight[v] =
+    G.T @ student_hidden`` one matmul over all rows (fp32 sums in cuBLAS, rounded once)."""
+    m, v = student_hidden.shape[0], student_weight.shape[0]
+    cols = aligned_cols(max(1, chunk * v // m), v)
+    grad_weight = torch.empty_like(student_weight)
+    s_buf = torch.empty(m * cols, dtype=student_hidden.dtype, device=student_hidden.device)
+    t_buf = torch.empty(m * cols, dtype=teacher_hidden.dtype, device=teacher_hidden.device)
+    for v0 in range(0, v, cols):
+        n = min(v, v0 + cols) - v0
+        s, t = s_buf[: m * n].view(m, n), t_buf[: m * n].view(m, n)  # contiguous: cuBLAS writes them in place
+        torch.mm(student_hidden, student_weight[v0:v0 + n].t(), out=s)
+        torch.mm(teacher_hidden, teacher_weight[v0:v0 + n].t(), out=t)
+        launch(_distill_block_kernel, (m, cdiv(n, BLOCK_V)), s, t, stats, stats if target is None else target,
+               stats if scale is None else scale, n, s.stride(0), t.stride(0), stats.stride(0),
+               0 if scale is None or scale.dim() == 0 else scale.stride(0), ignore_index, 1.0 / temperature, beta,
+               BLOCK=BLOCK_V, num_warps=NUM_WARPS, **_kernel_flags(kind, target, scale))
+        torch.mm(s.t(), student_hidden, out=grad_weight[v0:v0 + n])
+    return grad_weight
 
 
 def _reduce(loss_rows, target, ignore_index: int, reduction: str, count=None):
@@ -178,12 +252,36 @@ def _reduce(loss_rows, target, ignore_index: int, reduction: str, count=None):
     return total / count
 
 
+def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale, *, kind: str,
+           beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
+           accum_dtype: Optional[torch.dtype], memory: str, need: tuple):
+    """(grad_hidden, grad_weight) each None unless ``need``-ed, for the upstream ``scale``
+    (None: 1), writing ``loss_rows``: the row chunks (and, with ``memory="low"``, the
+    vocabulary chunks for the weight gradient)."""
+    m, v = student_hidden.shape[0], student_weight.shape[0]
+    low = memory == "low"
+    gh = torch.empty_like(student_hidden) if need[0] else None
+    gw = None
+    if need[1] and not low:
+        gw = torch.zeros(student_weight.shape, dtype=accum_dtype or student_weight.dtype, device=student_weight.device)
+    stats = torch.empty((3, m), dtype=torch.float32, device=student_hidden.device)
+    size = max(student_hidden.element_size(), teacher_hidden.element_size())
+    chunk = chunk_rows(m, v, size, student_hidden.device, chunk_size, LOW_MEMORY_CHUNK_BYTES if low else CHUNK_BYTES)
+    options = dict(kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index)
+    _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, chunk=chunk,
+             grads=(gh, gw), scale=scale, grad=need[0] or not low, **options)
+    if need[1] and low:
+        gw = _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats,
+                                   scale, chunk=chunk, **options)
+    return gh, (None if gw is None else gw.to(student_weight.dtype))
+
+
 def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str, beta: float,
                      temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                     accum_dtype: Optional[torch.dtype], need: tuple):
+                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str = "low"):
     """Returns (loss, grad_hidden, grad_weight): the gradients (each None unless ``need``-ed, and
     only for reductions other than ``"none"``) for an upstream gradient of 1."""
-    m, v = student_hidden.shape[0], student_weight.shape[0]
+    m = student_hidden.shape[0]
     dev = student_hidden.device
     loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
     fused = reduction != "none" and any(need)
@@ -191,32 +289,20 @@ def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_wei
     if fused and reduction == "mean":
         count = (torch.tensor(m, device=dev) if target is None else count_rows(target, ignore_index))
         scale = 1.0 / count.to(torch.float32)
-    gh = torch.empty_like(student_hidden) if fused and need[0] else None
-    gw = (torch.zeros(student_weight.shape, dtype=accum_dtype or student_weight.dtype, device=student_weight.device)
-          if fused and need[1] else None)
-    chunk = chunk_rows(m, v, max(student_hidden.element_size(), teacher_hidden.element_size()), dev, chunk_size)
-    _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, kind=kind, beta=beta,
-             temperature=temperature, ignore_index=ignore_index, chunk=chunk, grads=(gh, gw), scale=scale,
-             grad=fused)
-    loss = _reduce(loss_rows, target, ignore_index, reduction, count)
-    return loss, gh, (None if gw is None else gw.to(student_weight.dtype))
+    gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
+                    kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+                    accum_dtype=accum_dtype, memory=memory, need=need if fused else (False, False))
+    return _reduce(loss_rows, target, ignore_index, reduction, count), gh, gw
 
 
 def _distill_backward(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str,
                       beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
-                      accum_dtype: Optional[torch.dtype], need: tuple):
+                      accum_dtype: Optional[torch.dtype], need: tuple, memory: str = "low"):
     """Backward of ``reduction="none"`` (``grad [M]``): recompute both models' chunks."""
-    m, v = student_hidden.shape[0], student_weight.shape[0]
-    gh = torch.empty_like(student_hidden) if need[0] else None
-    gw = (torch.zeros(student_weight.shape, dtype=accum_dtype or student_weight.dtype, device=student_weight.device)
-          if need[1] else None)
-    chunk = chunk_rows(m, v, max(student_hidden.element_size(), teacher_hidden.element_size()),
-                        student_hidden.device, chunk_size)
-    _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
-             torch.empty(m, dtype=torch.float32, device=student_hidden.device), kind=kind, beta=beta,
-             temperature=temperature, ignore_index=ignore_index, chunk=chunk, grads=(gh, gw),
-             scale=grad.to(torch.float32), grad=True)
-    return gh, (None if gw is None else gw.to(student_weight.dtype))
+    loss_rows = torch.empty(student_hidden.shape[0], dtype=torch.float32, device=student_hidden.device)
+    return _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows,
+                  grad.to(torch.float32), kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index,
+                  chunk_size=chunk_size, accum_dtype=accum_dtype, memory=memory, need=need)
 
 
 def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -232,16 +318,17 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
 class _DistillFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                temperature, ignore_index, reduction, chunk_size, accum_dtype):
+                temperature, ignore_index, reduction, chunk_size, accum_dtype, memory):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         loss, gh, gw = _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                                        beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, need)
+                                        beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, need,
+                                        memory)
         ctx.reduction, ctx.consumed = reduction, False
         if reduction != "none":
             ctx.save_for_backward(gh, gw)
         elif any(need):
             ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-            ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need)
+            ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory)
         return loss
 
     @staticmethod
@@ -254,23 +341,24 @@ class _DistillFunction(torch.autograd.Function):
                                    "backward can run through it only once (retain_graph is not supported)")
             ctx.consumed = True
             gh, gw = (_scaled(t, grad) for t in ctx.saved_tensors)
-        return gh, gw, None, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("llmkernels::linear_distill_fwd", mutates_args=())
 def _distill_fwd_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
                     teacher_weight: torch.Tensor, target: Optional[torch.Tensor], kind: str, beta: float,
                     temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                    accum_dtype: Optional[torch.dtype], need: list[bool]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+                    accum_dtype: Optional[torch.dtype], need: list[bool],
+                    memory: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, gh, gw = _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                                    beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, tuple(need))
+                                    beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, tuple(need),
+                                    memory)
     return loss, *(student_hidden.new_empty(0) if t is None else t for t in (gh, gw))
 
 
 @_distill_fwd_op.register_fake
 def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
-      reduction, chunk_size, accum_dtype, need):
+      reduction, chunk_size, accum_dtype, need, memory):
     fused = reduction != "none"
     loss = student_hidden.new_empty((student_hidden.shape[0],) if not fused else (), dtype=torch.float32)
     return (loss, student_hidden.new_empty(student_hidden.shape if fused and need[0] else 0),
@@ -281,26 +369,27 @@ def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, ki
 def _distill_bwd_op(grad: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
                     teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, target: Optional[torch.Tensor],
                     kind: str, beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
-                    accum_dtype: Optional[torch.dtype], need: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                    accum_dtype: Optional[torch.dtype], need: list[bool],
+                    memory: str) -> tuple[torch.Tensor, torch.Tensor]:
     grads = _distill_backward(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                              beta, temperature, ignore_index, chunk_size, accum_dtype, tuple(need))
+                              beta, temperature, ignore_index, chunk_size, accum_dtype, tuple(need), memory)
     return tuple(student_hidden.new_empty(0) if t is None else t for t in grads)
 
 
 @_distill_bwd_op.register_fake
 def _(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-      ignore_index, chunk_size, accum_dtype, need):
+      ignore_index, chunk_size, accum_dtype, need, memory):
     return (student_hidden.new_empty(student_hidden.shape if need[0] else 0),
             student_weight.new_empty(student_weight.shape if need[1] else 0))
 
 
 def _distill_op_setup_context(ctx, inputs, output):
     (student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
-     reduction, chunk_size, accum_dtype, need) = inputs
+     reduction, chunk_size, accum_dtype, need, memory) = inputs
     ctx.reduction, ctx.need = reduction, need
     if reduction == "none":
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-        ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need)
+        ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory)
     else:
         ctx.save_for_backward(*output[1:])
 
@@ -311,7 +400,7 @@ def _distill_op_backward(ctx, grad, grad_gh, grad_gw):
     else:
         grads = tuple(t * grad for t in ctx.saved_tensors)
     gh, gw = (t if n else None for t, n in zip(grads, ctx.need))
-    return gh, gw, None, None, None, None, None, None, None, None, None, None, None
+    return gh, gw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("llmkernels::linear_distill_fwd", _distill_op_backward,
@@ -324,7 +413,7 @@ torch.library.register_autograd("llmkernels::linear_distill_fwd", _distill_op_ba
 def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
                         teacher_weight: torch.Tensor, target: Optional[torch.Tensor] = None, *, kind: str = "jsd",
                         beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
-                        reduction: str = "mean", chunk_size: Optional[int] = None,
+                        reduction: str = "mean", chunk_size: Optional[int] = None, memory: str = "low",
                         accum_dtype: Optional[torch.dtype] = torch.float32):
     """Distillation loss between a student's and a teacher's LM-head distributions, without
     either ``[M, V]`` logits (see the module docstring for the losses and their gradients).
@@ -341,9 +430,13 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
             ``"reverse_kl"`` KL(student || teacher).
         temperature: both models' logits are divided by it (the loss is not rescaled by T^2).
         reduction: ``"mean"`` (over the rows not ignored), ``"sum"`` or ``"none"`` (``[M]``).
-        chunk_size: rows per chunk (default: ``vocab_chunks.CHUNK_BYTES`` of logits per model).
-        accum_dtype: dtype of the weight-gradient sum over chunks: float32 (default, a
-            ``[V, Hs]`` fp32 buffer) or None (the weight's dtype).
+        chunk_size: rows per chunk (default: ``LOW_MEMORY_CHUNK_BYTES`` of logits per model, or
+            ``vocab_chunks.CHUNK_BYTES`` with ``memory="fast"``).
+        memory: ``"low"`` (default): the weight gradient over vocabulary chunks, each one matmul
+            summed in fp32 by cuBLAS (no accumulator; 2 more matmuls); ``"fast"``: summed over
+            the row chunks in an ``accum_dtype`` ``[V, Hs]`` buffer (module docstring).
+        accum_dtype: ``memory="fast"``'s weight-gradient sum: float32 (default) or None (the
+            weight's dtype: half the memory, one rounding per chunk).
 
     Returns:
         The loss in float32 (0-d, or ``[M]`` for ``"none"``), differentiable in student_hidden
@@ -375,6 +468,8 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
     check_chunk_size("chunk_size", chunk_size)
     if accum_dtype not in (None, torch.float32):
         raise ValueError(f"accum_dtype must be torch.float32 or None, got {accum_dtype!r}")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     beta = float(beta)
     if not use_kernels(student_hidden) or torch.float64 in (student_hidden.dtype, teacher_hidden.dtype):
         compute = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
@@ -387,6 +482,6 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         grad_on = torch.is_grad_enabled()
         need = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
         return _distill_fwd_op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                               temperature, ignore_index, reduction, chunk_size, accum_dtype, need)[0]
+                               temperature, ignore_index, reduction, chunk_size, accum_dtype, need, memory)[0]
     return _DistillFunction.apply(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                                  temperature, ignore_index, reduction, chunk_size, accum_dtype)
+                                  temperature, ignore_index, reduction, chunk_size, accum_dtype, memory)

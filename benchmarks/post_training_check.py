@@ -111,6 +111,23 @@ def _check(target, outputs: dict, ref_name: str):
     return errors
 
 
+def _run_losses(torch, runner, target, providers, hidden, weight, shape) -> dict:
+    """Each provider ``fn(hidden, weight) -> loss`` through ``runner`` (forward + the gradients
+    of hidden and weight); returns its outputs by name."""
+    m, h, v = shape
+    outputs = {}
+    for name, fn in providers.items():
+        a, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+        def step(fn=fn, a=a, w=w):
+            loss = fn(a, w)
+            return (loss.float(), *torch.autograd.grad(loss, (a, w)))
+
+        outputs[name] = runner.run(target, name, step, shape, (m + v) * h * hidden.element_size())
+        del a, w
+    return outputs
+
+
 def bench_log_probs(torch, lk, runner, shape, device, dtype):
     import torch.nn.functional as F
 
@@ -192,17 +209,7 @@ def bench_distill(torch, lk, runner, shape, device, dtype):
         providers["liger"] = lambda a, w: liger(a, w, t_hidden, t_weight, target)
     except ImportError as exc:
         print(f"liger: not available ({exc})")
-    outputs = {}
-    for name, fn in providers.items():
-        a, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-
-        def step(fn=fn, a=a, w=w):
-            loss = fn(a, w)
-            return (loss.float(), *torch.autograd.grad(loss, (a, w)))
-
-        outputs[name] = runner.run("distill", name, step, shape, (m + v) * h * hidden.element_size())
-        del a, w
-    return _check("distill", outputs, "unfused")
+    return _check("distill", _run_losses(torch, runner, "distill", providers, hidden, weight, shape), "unfused")
 
 
 def bench_lce(torch, lk, runner, shape, device, dtype):
@@ -226,17 +233,7 @@ def bench_lce(torch, lk, runner, shape, device, dtype):
         providers["cce"] = lambda a, w: cce(a, w, target)
     except ImportError as exc:
         print(f"cut_cross_entropy: not available ({exc})")
-    outputs = {}
-    for name, fn in providers.items():
-        a, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-
-        def step(fn=fn, a=a, w=w):
-            loss = fn(a, w)
-            return (loss.float(), *torch.autograd.grad(loss, (a, w)))
-
-        outputs[name] = runner.run("lce", name, step, shape, (m + v) * h * hidden.element_size())
-        del a, w
-    return _check("lce", outputs, "unfused")
+    return _check("lce", _run_losses(torch, runner, "lce", providers, hidden, weight, shape), "unfused")
 
 
 def _ratio(records, target, name, base, key):

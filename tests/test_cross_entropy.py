@@ -14,7 +14,7 @@ from llmkernels.ops import cross_entropy as ce_ops
 from llmkernels.ops import linear_cross_entropy as lce_ops
 from tests.conftest import DEVICE
 from llmkernels.bench.runner import poisoned
-from tests.helpers import assert_close
+from tests.helpers import assert_close, cuda_peak_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The interpreter evaluates masked-out lanes too (log(0) of padding rows): numpy warns.
@@ -414,15 +414,8 @@ def test_linear_low_memory_peak(reduction):
     hidden = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, v, (m,), device="cuda")
-    run = lambda: lk.linear_cross_entropy(hidden, weight, target, chunk_size=chunk, memory="low",  # noqa: E731
-                                          reduction=reduction).sum().backward()
-    run()  # warm-up: kernels, cuBLAS workspace
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    run()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = cuda_peak_bytes(lambda: lk.linear_cross_entropy(hidden, weight, target, chunk_size=chunk, memory="low",
+                                                           reduction=reduction).sum().backward(), (hidden, weight))
     grads, block = (m + v) * h * 2, chunk * v * 2
     assert block < v * h * 4  # an fp32 accumulator would exceed the bound
     assert peak <= grads + block + 2**20, f"peak {peak} B"

@@ -171,5 +171,5 @@ def test_compile_fullgraph(reduction, device):
 def test_opcheck(device):
     student, teacher, target = make_pair(5, 8, 8, 40, torch.float32, device)
     h, w = (t.requires_grad_() for t in student)
-    torch.library.opcheck(distill_ops._distill_fwd_op, (h, w, *teacher, target, "jsd", 0.5, 1.0, -100, "none", 2,
-                                                        torch.float32, [True, True], "low"))
+    torch.library.opcheck(distill_ops.DISTILL.op, (h, w, *teacher, target, "jsd", 0.5, 1.0, -100, "none", 2,
+                                                   torch.float32, [True, True], "low"))

@@ -32,9 +32,10 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ._launch import cdiv, launch, use_kernels
+from ._launch import cdiv, launch, pointer, use_kernels
 from ._triton import tl, triton
-from .cross_entropy import REDUCTIONS, check_target, count_rows, scale_rows_
+from .cross_entropy import REDUCTIONS, check_target, count_rows
+from .linear_cross_entropy import grads_fake, head_loss_ops
 from .log_probs import check_chunk_size, check_temperature
 from .vocab_chunks import CHUNK_BYTES, accumulate_mm, aligned_cols, check_head, chunk_rows
 
@@ -187,6 +188,11 @@ def _kernel_flags(kind: str, target, scale) -> dict:
     return dict(KIND=_KIND_CODES[kind], HAS_TARGET=target is not None, HAS_SCALE=scale is not None)
 
 
+def _scale_stride(scale: Optional[torch.Tensor]) -> int:
+    """The row stride of an upstream ``scale``: 0 when it is absent or one value (0-d) for every row."""
+    return 0 if scale is None or scale.dim() == 0 else scale.stride(0)
+
+
 def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, *,
              kind: str, beta: float, temperature: float, ignore_index: int, chunk: int, grads=(None, None),
              scale=None, grad: bool = False):
@@ -204,11 +210,10 @@ def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, tar
         torch.mm(student_hidden[a:b], student_weight.t(), out=s)
         torch.mm(teacher_hidden[a:b], teacher_weight.t(), out=t)
         row_scale = None if scale is None else (scale if scale.dim() == 0 else scale[a:b])
-        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b],
-               loss_rows if target is None else target[a:b],
-               loss_rows if row_scale is None else row_scale, v, s.stride(0), t.stride(0), stats.stride(0),
-               0 if row_scale is None or row_scale.dim() == 0 else row_scale.stride(0), ignore_index,
-               1.0 / temperature, beta, GRAD=grad, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+        row_target = None if target is None else target[a:b]
+        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b], pointer(row_target, loss_rows),
+               pointer(row_scale, loss_rows), v, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(row_scale),
+               ignore_index, 1.0 / temperature, beta, GRAD=grad, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
                **_kernel_flags(kind, target, row_scale))
         if grad and grad_hidden is not None:
             torch.mm(s, student_weight, out=grad_hidden[a:b])
@@ -232,10 +237,10 @@ def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teache
         s, t = s_buf[: m * n].view(m, n), t_buf[: m * n].view(m, n)  # contiguous: cuBLAS writes them in place
         torch.mm(student_hidden, student_weight[v0:v0 + n].t(), out=s)
         torch.mm(teacher_hidden, teacher_weight[v0:v0 + n].t(), out=t)
-        launch(_distill_block_kernel, (m, cdiv(n, BLOCK_V)), s, t, stats, stats if target is None else target,
-               stats if scale is None else scale, n, s.stride(0), t.stride(0), stats.stride(0),
-               0 if scale is None or scale.dim() == 0 else scale.stride(0), ignore_index, 1.0 / temperature, beta,
-               BLOCK=BLOCK_V, num_warps=NUM_WARPS, **_kernel_flags(kind, target, scale))
+        launch(_distill_block_kernel, (m, cdiv(n, BLOCK_V)), s, t, stats, pointer(target, stats),
+               pointer(scale, stats), n, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(scale),
+               ignore_index, 1.0 / temperature, beta, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
+               **_kernel_flags(kind, target, scale))
         torch.mm(s.t(), student_hidden, out=grad_weight[v0:v0 + n])
     return grad_weight
 
@@ -277,7 +282,7 @@ def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
 
 def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str, beta: float,
                      temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str = "low"):
+                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str):
     """Returns (loss, grad_hidden, grad_weight): the gradients (each None unless ``need``-ed, and
     only for reductions other than ``"none"``) for an upstream gradient of 1."""
     m = student_hidden.shape[0]
@@ -294,116 +299,50 @@ def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_wei
     return _reduce(loss_rows, target, ignore_index, reduction, count), gh, gw
 
 
-def _distill_backward(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str,
-                      beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
-                      accum_dtype: Optional[torch.dtype], need: tuple, memory: str = "low"):
+def _distill_backward_launcher(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                               kind: str, beta: float, temperature: float, ignore_index: int,
+                               chunk_size: Optional[int], accum_dtype: Optional[torch.dtype], need: tuple,
+                               memory: str):
     """Backward of ``reduction="none"`` (``grad [M]``): recompute both models' chunks."""
     loss_rows = torch.empty(student_hidden.shape[0], dtype=torch.float32, device=student_hidden.device)
     return _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows,
                   grad.to(torch.float32), kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index,
-                  chunk_size=chunk_size, accum_dtype=accum_dtype, memory=memory, need=need)
-
-
-def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t *= grad`` (0-d) in place, skipped where it is 1."""
-    if t is not None:
-        scale_rows_(t, grad)
-    return t
+                  chunk_size=chunk_size, accum_dtype=accum_dtype, memory=memory, need=tuple(need))
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, custom ops for torch.compile
+# registration: eager autograd and torch.compile custom ops (llmkernels::linear_distill_fwd /
+# _bwd), as linear_cross_entropy's: with "mean" and "sum" the gradients are formed in the forward.
 # --------------------------------------------------------------------------------------------
-class _DistillFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                temperature, ignore_index, reduction, chunk_size, accum_dtype, memory):
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        loss, gh, gw = _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                                        beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, need,
-                                        memory)
-        ctx.reduction, ctx.consumed = reduction, False
-        if reduction != "none":
-            ctx.save_for_backward(gh, gw)
-        elif any(need):
-            ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-            ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduction == "none":
-            gh, gw = _distill_backward(grad, *ctx.saved_tensors, *ctx.options)
-        else:
-            if ctx.consumed:
-                raise RuntimeError("linear_distill_loss formed its gradients in the forward and scales them in place: "
-                                   "backward can run through it only once (retain_graph is not supported)")
-            ctx.consumed = True
-            gh, gw = (_scaled(t, grad) for t in ctx.saved_tensors)
-        return gh, gw, None, None, None, None, None, None, None, None, None, None, None
-
-
-@torch.library.custom_op("llmkernels::linear_distill_fwd", mutates_args=())
-def _distill_fwd_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                    teacher_weight: torch.Tensor, target: Optional[torch.Tensor], kind: str, beta: float,
-                    temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                    accum_dtype: Optional[torch.dtype], need: list[bool],
-                    memory: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    loss, gh, gw = _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                                    beta, temperature, ignore_index, reduction, chunk_size, accum_dtype, tuple(need),
-                                    memory)
-    return loss, *(student_hidden.new_empty(0) if t is None else t for t in (gh, gw))
-
-
-@_distill_fwd_op.register_fake
-def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
-      reduction, chunk_size, accum_dtype, need, memory):
+def _distill_fake(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
+                  ignore_index, reduction, chunk_size, accum_dtype, need, memory):
     fused = reduction != "none"
-    loss = student_hidden.new_empty((student_hidden.shape[0],) if not fused else (), dtype=torch.float32)
-    return (loss, student_hidden.new_empty(student_hidden.shape if fused and need[0] else 0),
-            student_weight.new_empty(student_weight.shape if fused and need[1] else 0))
+    loss = student_hidden.new_empty(() if fused else (student_hidden.shape[0],), dtype=torch.float32)
+    return loss, *grads_fake((student_hidden, student_weight), [fused and n for n in need])
 
 
-@torch.library.custom_op("llmkernels::linear_distill_bwd", mutates_args=())
-def _distill_bwd_op(grad: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                    teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, target: Optional[torch.Tensor],
-                    kind: str, beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
-                    accum_dtype: Optional[torch.dtype], need: list[bool],
-                    memory: str) -> tuple[torch.Tensor, torch.Tensor]:
-    grads = _distill_backward(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind,
-                              beta, temperature, ignore_index, chunk_size, accum_dtype, tuple(need), memory)
-    return tuple(student_hidden.new_empty(0) if t is None else t for t in grads)
-
-
-@_distill_bwd_op.register_fake
-def _(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-      ignore_index, chunk_size, accum_dtype, need, memory):
-    return (student_hidden.new_empty(student_hidden.shape if need[0] else 0),
-            student_weight.new_empty(student_weight.shape if need[1] else 0))
-
-
-def _distill_op_setup_context(ctx, inputs, output):
+def _distill_kept_for_none(inputs, outputs):
     (student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
      reduction, chunk_size, accum_dtype, need, memory) = inputs
-    ctx.reduction, ctx.need = reduction, need
-    if reduction == "none":
-        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-        ctx.options = (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory)
-    else:
-        ctx.save_for_backward(*output[1:])
+    return ((student_hidden, student_weight, teacher_hidden, teacher_weight, target),
+            (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory))
 
 
-def _distill_op_backward(ctx, grad, grad_gh, grad_gw):
-    if ctx.reduction == "none":
-        grads = _distill_bwd_op(grad, *ctx.saved_tensors, *ctx.options)
-    else:
-        grads = tuple(t * grad for t in ctx.saved_tensors)
-    gh, gw = (t if n else None for t, n in zip(grads, ctx.need))
-    return gh, gw, None, None, None, None, None, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("llmkernels::linear_distill_fwd", _distill_op_backward,
-                                setup_context=_distill_op_setup_context)
+DISTILL, DISTILL_FUSED = head_loss_ops(
+    "linear_distill", kept_for_none=_distill_kept_for_none, reduction_at=9, need_at=12, grads_from=1,
+    once="linear_distill_loss formed its gradients in the forward and scales them in place: backward can run "
+         "through it only once (retain_graph is not supported)",
+    forward=_distill_forward, grad_inputs=(0, 1), returns=1, fake=_distill_fake,
+    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
+           "Tensor? target, str kind, float beta, float temperature, SymInt ignore_index, str reduction, "
+           "SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, str memory) -> (Tensor, Tensor, Tensor)",
+    backward_launcher=_distill_backward_launcher,
+    backward_fake=lambda grad, student_hidden, student_weight, *options: grads_fake((student_hidden, student_weight),
+                                                                                    options[-2]),
+    backward_schema="(Tensor grad, Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, "
+                    "Tensor teacher_weight, Tensor? target, str kind, float beta, float temperature, "
+                    "SymInt ignore_index, SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, "
+                    "str memory) -> (Tensor, Tensor)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,10 +416,8 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
                                              temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                                              compute_dtype=compute)
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
-    if torch.compiler.is_compiling():
-        grad_on = torch.is_grad_enabled()
-        need = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
-        return _distill_fwd_op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                               temperature, ignore_index, reduction, chunk_size, accum_dtype, need, memory)[0]
-    return _DistillFunction.apply(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta,
-                                  temperature, ignore_index, reduction, chunk_size, accum_dtype, memory)
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
+    op = DISTILL if reduction == "none" else DISTILL_FUSED
+    return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
+              ignore_index, reduction, chunk_size, accum_dtype, need, memory)[0]

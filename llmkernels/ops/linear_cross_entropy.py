@@ -29,7 +29,7 @@ free device memory, then evened out so the last chunk is not a sliver.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -177,71 +177,87 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
     return t
 
 
+def grads_fake(params: tuple, need) -> tuple:
+    """Fake gradients of ``params`` (None where not ``need``-ed), for the fake kernels."""
+    return tuple(t.new_empty(t.shape) if n else None for t, n in zip(params, need))
+
+
 # --------------------------------------------------------------------------------------------
 # registration: eager autograd and torch.compile custom ops (llmkernels::linear_cross_entropy_fwd
 # / _bwd). With "mean" and "sum" the gradients are formed in the forward: the eager variant
 # scales them in place in the backward (once), the custom op's backward multiplies them.
 # --------------------------------------------------------------------------------------------
+def head_loss_ops(name: str, *, kept_for_none: Callable, reduction_at: int, need_at: int, grads_from: int,
+                  once: str, **description) -> tuple[Op, Op]:
+    """``(op, fused)``: the two Ops of a loss over an LM head whose forward forms the gradients
+    (for an upstream gradient of 1) unless the reduction is ``"none"``, as this module's.
+
+    ``op`` (eager for ``"none"``, and torch.compile for every reduction) saves, for ``"none"``,
+    ``kept_for_none(inputs, outputs) -> (tensors, options)`` and calls the backward launcher
+    with ``(grad, *tensors, *options)``; otherwise it saves the gradients (the outputs from
+    ``grads_from`` on) and multiplies them by the upstream gradient. ``fused``, eager-only for
+    ``"mean"``/``"sum"``, scales them in place instead (so its backward runs ``once``).
+    ``inputs[reduction_at]`` is the reduction and ``inputs[need_at]`` which of the inputs at
+    ``grad_inputs`` want a gradient; ``description``: the rest of :class:`Op`'s arguments."""
+    def setup(ctx, inputs, outputs):
+        ctx.reduction, ctx.need = inputs[reduction_at], inputs[need_at]
+        if ctx.reduction == "none":
+            tensors, ctx.options = kept_for_none(inputs, outputs)
+            ctx.save_for_backward(*tensors)
+        else:
+            ctx.save_for_backward(*outputs[grads_from:])
+
+    def backward(ctx, bwd, grad, *_):
+        if ctx.reduction == "none":
+            grads = bwd(grad, *ctx.saved_tensors, *ctx.options)
+        else:
+            grads = tuple(t * grad for t in ctx.saved_tensors)
+        return tuple(t if n else None for t, n in zip(grads, ctx.need))
+
+    def fused_setup(ctx, inputs, outputs):
+        ctx.save_for_backward(*outputs[grads_from:])
+
+    def fused_backward(ctx, _, grad, *__):
+        return tuple(_scaled(t, grad) for t in ctx.saved_tensors)
+
+    op = Op(name, setup=setup, backward=backward, **description)
+    fused = Op(name + "_fused", forward=description["forward"], setup=fused_setup, backward=fused_backward,
+               grad_inputs=description["grad_inputs"], returns=description.get("returns"),
+               non_differentiable=description.get("non_differentiable", ()), base=op, once=once)
+    return op, fused
+
+
 def _lce_fake(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check,
               chunk_size, accum_dtype, need, memory="fast"):
     m = hidden.shape[0]
     loss = hidden.new_empty((m,) if reduction == "none" else (), dtype=torch.float32)
     fused = reduction != "none"
     return (loss, loss.new_empty(loss.shape) if want_z else None, hidden.new_empty(m, dtype=torch.float32),
-            *_grads_fake(hidden, weight, bias, [fused and n for n in need]))
+            *grads_fake((hidden, weight, bias), [fused and n for n in need]))
 
 
-def _grads_fake(hidden, weight, bias, need):
-    return (hidden.new_empty(hidden.shape) if need[0] else None, weight.new_empty(weight.shape) if need[1] else None,
-            bias.new_empty(bias.shape) if need[2] else None)
-
-
-def _lce_setup(ctx, inputs, outputs):
+def _lce_kept_for_none(inputs, outputs):
     (hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
      accum_dtype, need, memory) = inputs
-    ctx.reduction, ctx.need = reduction, need
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, outputs[2])
-        ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need, memory)
-    else:
-        ctx.save_for_backward(*outputs[3:])
+    return ((hidden, weight, target, bias, outputs[2]),
+            (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need, memory))
 
 
-def _lce_backward(ctx, bwd, grad, *_):
-    if ctx.reduction == "none":
-        hidden, weight, target, bias, lse = ctx.saved_tensors
-        grads = bwd(grad, hidden, weight, target, bias, lse, *ctx.options)
-    else:
-        grads = tuple(t * grad for t in ctx.saved_tensors)
-    return tuple(t if n else None for t, n in zip(grads, ctx.need))
-
-
-LCE = Op("linear_cross_entropy", forward=_lce_forward, setup=_lce_setup, backward=_lce_backward,
-         grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), fake=_lce_fake,
-         schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, str reduction, "
-                "float smoothing, float z_coef, float? softcap, bool want_z, bool check, SymInt? chunk_size, "
-                "ScalarType? accum_dtype, bool[] need, str memory=\"fast\") -> (Tensor, Tensor, Tensor, Tensor, "
-                "Tensor, Tensor)",
-         backward_launcher=_lce_backward_launcher,
-         backward_fake=lambda grad, hidden, weight, target, bias, lse, *options: _grads_fake(hidden, weight, bias,
-                                                                                             options[6]),
-         backward_schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor lse, "
-                         "SymInt ignore_index, float smoothing, float z_coef, float? softcap, SymInt? chunk_size, "
-                         "ScalarType? accum_dtype, bool[] need, str memory) -> (Tensor, Tensor, Tensor)")
-
-
-def _lce_fused_setup(ctx, inputs, outputs):
-    ctx.save_for_backward(*outputs[3:])
-
-
-def _lce_fused_backward(ctx, _, grad, *__):
-    return tuple(_scaled(t, grad) for t in ctx.saved_tensors)
-
-
-LCE_FUSED = Op("linear_cross_entropy_fused", forward=_lce_forward, setup=_lce_fused_setup,
-               backward=_lce_fused_backward, grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), base=LCE,
-               once="linear_cross_entropy formed its gradients in the forward and scales them in place: backward "
-                    "can run through it only once (retain_graph is not supported)")
+LCE, LCE_FUSED = head_loss_ops(
+    "linear_cross_entropy", kept_for_none=_lce_kept_for_none, reduction_at=5, need_at=13, grads_from=3,
+    once="linear_cross_entropy formed its gradients in the forward and scales them in place: backward can run "
+         "through it only once (retain_graph is not supported)",
+    forward=_lce_forward, grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), fake=_lce_fake,
+    schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, str reduction, "
+           "float smoothing, float z_coef, float? softcap, bool want_z, bool check, SymInt? chunk_size, "
+           "ScalarType? accum_dtype, bool[] need, str memory=\"fast\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+           "Tensor)",
+    backward_launcher=_lce_backward_launcher,
+    backward_fake=lambda grad, hidden, weight, target, bias, lse, *options: grads_fake((hidden, weight, bias),
+                                                                                       options[6]),
+    backward_schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor lse, "
+                    "SymInt ignore_index, float smoothing, float z_coef, float? softcap, SymInt? chunk_size, "
+                    "ScalarType? accum_dtype, bool[] need, str memory) -> (Tensor, Tensor, Tensor)")
 
 
 # --------------------------------------------------------------------------------------------

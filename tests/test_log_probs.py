@@ -167,4 +167,4 @@ def test_compile_fullgraph(device):
 def test_opcheck(device):
     hidden, weight, b, target = make_head(5, 8, 40, torch.float32, device)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    torch.library.opcheck(lp_ops._logp_fwd_op, (h, w, target, b, 0.9, True, -100, True, 2, 16))
+    torch.library.opcheck(lp_ops.LOG_PROBS.op, (h, w, target, b, 0.9, True, -100, True, 2, 16))

@@ -27,9 +27,11 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ._launch import launch, use_kernels
+from ._launch import launch, pointer, use_kernels
+from ._register import Op
 from ._triton import tl, triton
 from .cross_entropy import check_target, finish_target_check, start_target_check
+from .linear_cross_entropy import grads_fake
 from .vocab_chunks import chunk_rows, check_head, grads_by_vocab_chunks
 
 ROW_BLOCK_V = 4096  # columns per step of the forward's online loop
@@ -73,8 +75,9 @@ def _row_logp_kernel(X, T, LOGP, ENT, LSE, MU, V, stride_x, ignore_index, inv_te
 
 
 def _logp_forward(hidden, weight, target, bias, temperature: float, want_entropy: bool, ignore_index: int,
-                  check: bool, chunk_size: Optional[int]):
-    """Returns ``(logp, entropy or None, lse, mu or None)``, each ``[M]`` fp32."""
+                  check: bool, chunk_size: Optional[int], vocab_chunk_size: Optional[int]):
+    """Returns ``(logp, entropy or None, lse, mu or None)``, each ``[M]`` fp32 (``vocab_chunk_size``
+    is the backward's)."""
     m, v = hidden.shape[0], weight.shape[0]
     pending = start_target_check(target, v, ignore_index) if check else None
     rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
@@ -89,15 +92,15 @@ def _logp_forward(hidden, weight, target, bias, temperature: float, want_entropy
             torch.mm(hidden[a:b], weight.t(), out=logits)
         else:
             torch.addmm(bias, hidden[a:b], weight.t(), out=logits)
-        launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], (lse if entropy is None else entropy)[a:b],
-               lse[a:b], (lse if mu is None else mu)[a:b], v, logits.stride(0), ignore_index, 1.0 / temperature,
+        launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], pointer(entropy, lse)[a:b],
+               lse[a:b], pointer(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / temperature,
                ENTROPY=want_entropy, BLOCK_V=ROW_BLOCK_V, num_warps=ROW_WARPS)
     finish_target_check(pending, target, v, ignore_index)
     return logp, entropy, lse, mu
 
 
-def _logp_backward(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature: float,
-                   ignore_index: int, need: tuple, vocab_chunk_size: Optional[int]):
+def _logp_backward_launcher(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature: float,
+                            ignore_index: int, need: tuple, vocab_chunk_size: Optional[int]):
     """``(grad_hidden, grad_weight, grad_bias)`` for upstream gradients ``grad_logp [M]`` and
     ``grad_entropy [M]`` (or None), recomputing the logits over vocabulary chunks."""
     m = hidden.shape[0]
@@ -106,88 +109,51 @@ def _logp_backward(grad_logp, grad_entropy, hidden, weight, target, bias, lse, m
     g2 = None if grad_entropy is None or mu is None else grad_entropy.to(torch.float32)
     # (A, B, C, D) = (-g1, -g2, unused, -g1): G = inv_T (g1 onehot - p (g1 + g2 (z - mu)))
     coefs = torch.stack((-g1, -g1 if g2 is None else -g2, -g1, -g1))
-    return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu, need=need,
-                                 ignore_index=ignore_index, inv_temp=1.0 / temperature, cols=vocab_chunk_size)
+    return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu,
+                                 need=tuple(need), ignore_index=ignore_index, inv_temp=1.0 / temperature,
+                                 cols=vocab_chunk_size)
 
 
 # --------------------------------------------------------------------------------------------
-# autograd: an autograd.Function for eager mode, custom ops for torch.compile
+# registration: eager autograd and torch.compile custom ops (llmkernels::linear_log_probs_fwd /
+# _bwd). The forward keeps lse and E_p[z] for the backward; the caller gets logp and entropy.
 # --------------------------------------------------------------------------------------------
-class _LinearLogProbsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size,
-                vocab_chunk_size):
-        logp, entropy, lse, mu = _logp_forward(hidden, weight, target, bias, temperature, want_entropy,
-                                               ignore_index, check, chunk_size)
-        ctx.need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        if any(ctx.need):
-            ctx.save_for_backward(hidden, weight, target, bias, lse, mu)
-            ctx.options = (temperature, ignore_index, ctx.need, vocab_chunk_size)
-        if entropy is None:
-            entropy = logp.new_empty(0)
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, target, bias, lse, mu = ctx.saved_tensors
-        gh, gw, gb = _logp_backward(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, *ctx.options)
-        return gh, gw, None, gb, None, None, None, None, None, None
+def _logp_fake(hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size,
+               vocab_chunk_size):
+    rows = lambda: hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # noqa: E731
+    return rows(), (rows() if want_entropy else None), rows(), (rows() if want_entropy else None)
 
 
-@torch.library.custom_op("llmkernels::linear_log_probs_fwd", mutates_args=())
-def _logp_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                 temperature: float, want_entropy: bool, ignore_index: int, check: bool, chunk_size: Optional[int],
-                 vocab_chunk_size: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    logp, entropy, lse, mu = _logp_forward(hidden, weight, target, bias, temperature, want_entropy, ignore_index,
-                                           check, chunk_size)
-    # Absent outputs are distinct empty tensors: custom op outputs may not alias each other.
-    return logp, (logp.new_empty(0) if entropy is None else entropy), lse, (logp.new_empty(0) if mu is None else mu)
-
-
-@_logp_fwd_op.register_fake
-def _(hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size, vocab_chunk_size):
-    rows = lambda n: hidden.new_empty(n, dtype=torch.float32)  # noqa: E731
-    m = hidden.shape[0]
-    return rows(m), rows(m if want_entropy else 0), rows(m), rows(m if want_entropy else 0)
-
-
-@torch.library.custom_op("llmkernels::linear_log_probs_bwd", mutates_args=())
-def _logp_bwd_op(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], hidden: torch.Tensor,
-                 weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
-                 mu: Optional[torch.Tensor], temperature: float, ignore_index: int, need: list[bool],
-                 vocab_chunk_size: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _logp_backward(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature, ignore_index,
-                           tuple(need), vocab_chunk_size)
-    return tuple(hidden.new_empty(0) if t is None else t for t in grads)
-
-
-@_logp_bwd_op.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature, ignore_index, need,
-      vocab_chunk_size):
-    return (hidden.new_empty(hidden.shape if need[0] else 0), weight.new_empty(weight.shape if need[1] else 0),
-            bias.new_empty(bias.shape) if need[2] else hidden.new_empty(0))
-
-
-def _logp_op_setup_context(ctx, inputs, output):
+def _logp_setup(ctx, inputs, outputs):
     hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size, vocab_chunk_size = inputs
-    _, _, lse, mu = output
+    _, _, lse, mu = outputs
     ctx.save_for_backward(hidden, weight, target, bias, lse, mu if want_entropy else None)
-    ctx.options = (temperature, ignore_index, vocab_chunk_size)
     ctx.need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
+    ctx.options = (temperature, ignore_index, ctx.need, vocab_chunk_size)
 
 
-def _logp_op_backward(ctx, grad_logp, grad_entropy, grad_lse, grad_mu):
+def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
     hidden, weight, target, bias, lse, mu = ctx.saved_tensors
-    temperature, ignore_index, vocab_chunk_size = ctx.options
-    grads = _logp_bwd_op(grad_logp, grad_entropy if mu is not None else None, hidden, weight, target, bias, lse, mu,
-                         temperature, ignore_index, ctx.need, vocab_chunk_size)
-    gh, gw, gb = (t if n else None for t, n in zip(grads, ctx.need))
-    return gh, gw, None, gb, None, None, None, None, None, None
+    grads = bwd(grad_logp, grad_entropy if mu is not None else None, hidden, weight, target, bias, lse, mu,
+                *ctx.options)
+    return tuple(t if n else None for t, n in zip(grads, ctx.need))
 
 
-torch.library.register_autograd("llmkernels::linear_log_probs_fwd", _logp_op_backward,
-                                setup_context=_logp_op_setup_context)
+def _logp_backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature, ignore_index,
+                        need, vocab_chunk_size):
+    return grads_fake((hidden, weight, bias), need)
+
+
+LOG_PROBS = Op("linear_log_probs", forward=_logp_forward, setup=_logp_setup, backward=_logp_backward,
+               grad_inputs=(0, 1, 3), returns=2, fake=_logp_fake,
+               schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, float temperature, "
+                      "bool want_entropy, SymInt ignore_index, bool check, SymInt? chunk_size, "
+                      "SymInt? vocab_chunk_size) -> (Tensor, Tensor, Tensor, Tensor)",
+               backward_launcher=_logp_backward_launcher,
+               backward_fake=_logp_backward_fake,
+               backward_schema="(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+                               "Tensor target, Tensor? bias, Tensor lse, Tensor? mu, float temperature, "
+                               "SymInt ignore_index, bool[] need, SymInt? vocab_chunk_size) -> (Tensor, Tensor, Tensor)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,10 +206,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp, entropy = reference.linear_log_probs(hidden, weight, target, bias, temperature=temperature,
                                                    ignore_index=ignore_index, compute_dtype=compute)
-    elif torch.compiler.is_compiling():
-        logp, entropy, _, _ = _logp_fwd_op(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
-                                           check_targets, chunk_size, vocab_chunk_size)
     else:
-        logp, entropy = _LinearLogProbsFunction.apply(hidden, weight, target, bias, temperature, return_entropy,
-                                                      ignore_index, check_targets, chunk_size, vocab_chunk_size)
+        logp, entropy = LOG_PROBS(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
+                                  check_targets, chunk_size, vocab_chunk_size)
     return (logp, entropy) if return_entropy else logp

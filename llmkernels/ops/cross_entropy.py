@@ -826,7 +826,7 @@ def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap
 
 def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
     """Validate class indices ``target [m]`` for ``m`` rows of ``rows_of`` (an argument's name)."""
-    check_tensor("target", target, like=like, floating=False)
+    check_tensor("target", target, like=like, like_name=rows_of, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got dtype {target.dtype}")
     if target.dim() != 1 or target.shape[0] != m:

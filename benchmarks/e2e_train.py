@@ -44,6 +44,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 PROVIDERS = ("hf", "llmkernels", "liger", "compile")
 # --tiny: a model the Triton interpreter trains in seconds on CPU (fp32, where gloo and the
@@ -418,7 +419,12 @@ def main():
         sys.exit(0 if summary["passed"] else 1)
     if args.provider:
         rank, world, device = init_distributed(resolve_device(args.device))
-        result = run_provider(args, rank, world, device)
+        try:
+            result = run_provider(args, rank, world, device)
+        except Exception:  # the worker's own error, not torchrun's summary of it, goes into the JSON
+            print("RESULT " + json.dumps({"provider": args.provider, "error": traceback.format_exc()[-2000:]}),
+                  flush=True)
+            os._exit(1)  # no barrier: the other ranks may never reach it; torchrun ends them
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
         exit_distributed()

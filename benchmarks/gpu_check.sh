@@ -9,6 +9,8 @@
 # OLD holds the older `llmkernels` package (e.g. `git archive <commit> llmkernels | tar -x -C OLD`).
 # WHEELS (optional): a folder of wheels to install first (pytest-xdist, liger-kernel, ...).
 # TINY=1: tiny shapes and one test file, to check this script on a machine without a GPU.
+# STEPS (optional): the steps to run, of "tests host generate speed" (all by default), so that a
+# session can split them over calls of at most 10 minutes each.
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}" "${OLD:?set OLD}"
@@ -36,8 +38,13 @@ tiny=(); tests=(tests/test_norm.py tests/test_cross_entropy.py tests/test_rope.p
   tests/test_log_probs.py tests/test_distill.py tests/test_post_training_example.py tests/test_modules.py
   tests/test_examples.py tests/test_argument_names.py tests/test_compile.py tests/test_hf.py)
 [ "${TINY:-0}" = 1 ] && tiny=(--tiny) && tests=() && ONLY_OFF=1
-step tests "${TESTS_S:-170}" python3 -m pytest -q -n 8 -p no:cacheprovider --maxfail=25 tests/test_launch.py "${tests[@]}"
-step host "${HOST_S:-60}" python3 benchmarks/profile_overhead.py "${tiny[@]}" --out "$OUT/host.json"
+steps=" ${STEPS:-tests host generate speed} "
+want() { [[ $steps == *" $1 "* ]]; }
+want tests && step tests "${TESTS_S:-170}" python3 -m pytest -q -n 8 -p no:cacheprovider --maxfail=25 tests/test_launch.py "${tests[@]}"
+want host && step host "${HOST_S:-60}" python3 benchmarks/profile_overhead.py "${tiny[@]}" --out "$OUT/host.json"
+want generate && step generate "${GENERATE_S:-120}" python3 benchmarks/generate_bench.py "${tiny[@]}" \
+  --out "$OUT/generate.json"
+want speed || exit 0
 only=(--only "rms_norm N=4096" "rms_norm N=32768" "rms_norm N=131072" "layer_norm N=4096" "layer_norm N=65536"
       "add_rms_norm N=8192" "add_rms_norm N=131072" cross apply glu)
 [ "${ONLY_OFF:-0}" = 1 ] && only=()

@@ -51,7 +51,7 @@ def gpu_launch(monkeypatch):
     monkeypatch.setattr(_launch, "_current_stream", lambda device: 7)
     monkeypatch.setattr(_launch, "knobs", types.SimpleNamespace(
         runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     kernel = FakeKernel()
     return kernel, _launch.Launcher(kernel, {"num_warps": 4, "BLOCK": 64})
 
@@ -115,7 +115,7 @@ def test_cached_launch_keys_the_device_and_other_argument_kinds(gpu_launch, monk
     kernel, launcher = gpu_launch
     x = torch.zeros(64)
     launcher((1,), x, 64, 1.0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 1)
     launcher((1,), x, 64, 1.0)  # another device: compiled again
     launcher((1,), None, 64, 1.0)  # an argument of another kind than first seen: Triton decides
     launcher((1,), None, 64, 1.0)

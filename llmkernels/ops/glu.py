@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ._launch import as_rows, cdiv, check_tensor, launch, next_pow2, use_kernels
+from ._launch import Plans, as_rows, cdiv, check_tensor, launcher, next_pow2, use_kernels
 from ._register import Op
 from ._triton import tl, triton
 
@@ -122,20 +122,25 @@ def _config(m: int, n: int):
     return block_m, block_n, NUM_WARPS
 
 
-def _grid(m: int, n: int):
+def _plan(kernel, m: int, n: int, activation: str, **flags):
+    """(the Launcher, the grid) of ``kernel`` over ``[m, n]``."""
     block_m, block_n, num_warps = _config(m, n)
-    return (cdiv(m, block_m) * cdiv(n, block_n),), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    handle = launcher(kernel, ACTIVATION=activation, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return handle, (cdiv(m, block_m) * cdiv(n, block_n),)
+
+
+_FWD = Plans(lambda m, n, activation: _plan(_glu_fwd_kernel, m, n, activation))
+_BWD = Plans(lambda m, n, activation, store_y: _plan(_glu_bwd_kernel, m, n, activation, STORE_Y=store_y))
 
 
 def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed) as a new contiguous
     ``[M, N]`` tensor of gate's dtype."""
     m, n = gate.shape
-    y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    if y.numel():
-        grid, config = _grid(m, n)
-        launch(_glu_fwd_kernel, grid, gate, up, y, m, n, gate.stride(0), up.stride(0),
-               ACTIVATION=activation, **config)
+    y = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if m and n:
+        handle, grid = _FWD[m, n, activation]
+        handle(grid, gate, up, y, m, n, gate.stride(0), up.stride(0))
     return y
 
 
@@ -145,12 +150,11 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
     is overwritten with the forward's ``y``, recomputed."""
     m, n = gate.shape
     dy = as_rows(dy, n)  # the upstream gradient may come with any strides
-    d_gate = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    d_up = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    if d_gate.numel():
-        grid, config = _grid(m, n)
-        launch(_glu_bwd_kernel, grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), gate.stride(0),
-               up.stride(0), ACTIVATION=activation, STORE_Y=store_y, **config)
+    d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    d_up = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if m and n:
+        handle, grid = _BWD[m, n, activation, store_y]
+        handle(grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), gate.stride(0), up.stride(0))
     return d_gate, d_up
 
 
@@ -242,9 +246,10 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
     if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
         return reference.glu(gate, up, activation, compute_dtype=compute)
-    shape, n = gate.shape, gate.shape[-1]
-    args = (as_rows(gate, n), as_rows(up, n), activation)
-    return GLU(*args).view(shape)
+    shape = gate.shape
+    n = shape[-1]
+    y = GLU(as_rows(gate, n), as_rows(up, n), activation)
+    return y if len(shape) == 2 else y.view(shape)
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

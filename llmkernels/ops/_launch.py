@@ -335,7 +335,8 @@ def launcher(kernel, **options) -> Launcher:
 
 
 class Plans(dict):
-    """Launch plans by key: ``plans[key]`` is ``make(*key)``, made on the first look-up of the key
+    """Launch plans by key: ``plans[key]`` is ``make(*key)`` (``make(key)`` for a key that is not a
+    tuple), made on the first look-up of the key
     (a dict look-up after that). An op keys its plans on what decides its launch (sizes, dtype,
     flags) and keeps in a plan what it would otherwise derive on every call: the configuration,
     the grid, the :class:`Launcher`. At most ``limit`` are kept (all are dropped when full: the
@@ -350,7 +351,7 @@ class Plans(dict):
     def __missing__(self, key):
         if len(self) >= self.limit:
             self.clear()
-        plan = self[key] = self.make(*key)
+        plan = self[key] = self.make(*key) if type(key) is tuple else self.make(key)
         return plan
 
 

@@ -724,20 +724,27 @@ def start_target_check(target: torch.Tensor, v: int, ignore_index: int):
         return word, None
     if torch.cuda.is_current_stream_capturing():
         return None
+    word = _check_to_host(check, target, v, ignore_index)
+    done = _FLAG.event(target.get_device())
+    done.record()
+    return word, done
+
+
+def _check_to_host(check, target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
+    """Launch ``check`` on a GPU's ``target`` writing the thread's pinned host word, or where
+    Triton refuses host memory (then from now on) a device word copied back to the host."""
     global MAPPED_FLAG
+    m = target.shape[0]
     if MAPPED_FLAG:
         word = _FLAG.word(True)
         try:
             check((1,), target, word, m, v, ignore_index)
+            return word
         except ValueError:  # "Pointer argument cannot be accessed from Triton"
             MAPPED_FLAG = False
-    if not MAPPED_FLAG:
-        on_device = target.new_empty(1, dtype=torch.int64)
-        check((1,), target, on_device, m, v, ignore_index)
-        word = on_device.to("cpu", non_blocking=True)
-    done = _FLAG.event(target.get_device())
-    done.record()
-    return word, done
+    on_device = target.new_empty(1, dtype=torch.int64)
+    check((1,), target, on_device, m, v, ignore_index)
+    return on_device.to("cpu", non_blocking=True)
 
 
 def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int) -> None:

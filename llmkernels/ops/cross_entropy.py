@@ -174,8 +174,9 @@ class CrossEntropyOutput(NamedTuple):
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf)."""
+def softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf). Public:
+    the kernels of other losses over the logits (``vocab_chunks``) cap them the same way."""
     if HAS_SOFTCAP:
         x = softcap - 2.0 * softcap / (tl.exp(x * (2.0 / softcap)) + 1.0)
     return x
@@ -198,9 +199,9 @@ def _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, H
 
 
 @triton.jit
-def _through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
+def through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
     """A gradient with respect to softcapped logits ``z``, taken back through the soft cap
-    (d z / d x = 1 - (z / softcap)**2)."""
+    (d z / d x = 1 - (z / softcap)**2). Public, as ``softcapped``."""
     if HAS_SOFTCAP:
         th = z / softcap
         g = g * (1.0 - th * th)
@@ -212,7 +213,7 @@ def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: t
     """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
     g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
     g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
-    return tl.where(valid[:, None], _through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
+    return tl.where(valid[:, None], through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def _online_lse(x_row, row_mask, col_start, span, col_end, softcap, BLOCK_M: tl.
         cols = col_start + offset + tl.arange(0, BLOCK_V)
         mask = row_mask[:, None] & (cols < col_end)[None, :]
         x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        z = _softcapped(x, softcap, HAS_SOFTCAP)
+        z = softcapped(x, softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(mask, z, float("-inf"))
         if HAS_SMOOTHING:
@@ -248,7 +249,7 @@ def _row_loss(X, rows64, stride_x, t, row_mask, lse, z_sum, V, ignore_index, smo
     valid = row_mask & (t != ignore_index)
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(X + rows64 * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
-    z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+    z_t = softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
     return _loss_terms(lse, z_t, z_sum, valid, in_range, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
 
 
@@ -298,7 +299,7 @@ def _ce_kernel(
             cols = tl.arange(0, BLOCK_V)
             mask = row_mask[:, None] & (cols < V)[None, :]
             x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-            z = _softcapped(x, softcap, HAS_SOFTCAP)
+            z = softcapped(x, softcap, HAS_SOFTCAP)
             if HAS_SOFTCAP:
                 z = tl.where(mask, z, float("-inf"))
             m = tl.max(z, axis=1)
@@ -340,7 +341,7 @@ def _ce_kernel(
                     cols = (n_chunks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
-                    z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+                    z = softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
                     g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
 
@@ -378,7 +379,7 @@ def _ce_fused_split_kernel(
     row = group + tl.zeros([], dtype=tl.int64)
     x_next = row_slice(X, row, stride_x, cols, M, V, float("-inf"))
     for _ in range(group, M, groups):
-        z = _softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
+        z = softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(cols < V, z, float("-inf"))
         t = tl.load(T + row).to(tl.int64)
@@ -394,7 +395,7 @@ def _ce_fused_split_kernel(
         z_t = tl.zeros([], dtype=tl.float32)
         if part == 0:
             x_t = tl.load(X + row * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
-            z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+            z_t = softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
         next_row = row + groups
         if PARTS == 1:  # nothing to exchange
             x_next = row_slice(X, next_row, stride_x, cols, M, V, float("-inf"))
@@ -425,13 +426,13 @@ def _ce_fused_split_kernel(
             tl.store(LSE + row, lse)
         scale = tl.where(valid, tl.where(in_range, count_scale, float("nan")), 0.0)
         p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
-        g = _through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
+        g = through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
         dx_row = DX + row * stride_dx
         tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=cols < V)
         if (t // BLOCK_V == part) & valid & in_range:
             # The one-hot term, after the slice's store (the barrier orders the two writes).
             tl.debug_barrier()
-            g_t = _through_softcap(tl.exp(z_t - lse) * p_coef - off - hot, z_t, softcap, HAS_SOFTCAP)
+            g_t = through_softcap(tl.exp(z_t - lse) * p_coef - off - hot, z_t, softcap, HAS_SOFTCAP)
             tl.store(dx_row + t, g_t.to(DX.dtype.element_ty))
         row = next_row
 
@@ -905,7 +906,7 @@ def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap
 
 def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
     """Validate class indices ``target [m]`` for ``m`` rows of ``rows_of`` (an argument's name)."""
-    check_tensor("target", target, like=like, floating=False)
+    check_tensor("target", target, like=like, like_name=rows_of, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got dtype {target.dtype}")
     if target.dim() != 1 or target.shape[0] != m:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import json
 import os
 import pstats
@@ -38,28 +39,40 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import llmkernels as lk  # noqa: E402
+from llmkernels.bench.registry import Unavailable, liger_function  # noqa: E402
 
 # (N, I, heads q/k and head dim, V, LM-head hidden size and vocabulary) of the full run and of --tiny.
 FULL = dict(n=4096, i=14336, hq=32, hk=8, d=128, v=32000, lce_h=4096, lce_v=32000)
 TINY = dict(n=64, i=96, hq=4, hk=2, d=16, v=100, lce_h=32, lce_v=100)
 STUB = dict(FULL, lce_h=64, lce_v=256)
-LOOP_SECONDS = 0.02  # each timed loop is about this long (at least 3 calls, at most 200)
+LOOP_SECONDS = 0.02  # each timed loop is about this long (at least 3 calls, 1 with --tiny; at most 200)
 LOOPS = 5
 
 
 # --------------------------------------------------------------------------------------------
 # the cases: inputs, the inputs that take gradients, and the providers of each op
 # --------------------------------------------------------------------------------------------
-def _liger(module: str, name: str):
-    """``liger_kernel.ops.<module>.<name>.apply``, or None."""
+def _liger(module: str, name: str, call):
+    """``call(apply)`` with ``apply = liger_kernel.ops.<module>.<name>.apply``, or None where
+    liger-kernel (or that function) is missing."""
     try:
-        from llmkernels.bench.registry import Unavailable, liger_function
-    except ImportError:
-        return None
-    try:
-        return liger_function(module, name)
+        return call(liger_function(module, name))
     except Unavailable:
         return None
+
+
+def _liger_rope():
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError:
+        return None
+    return liger_rotary_pos_emb
+
+
+def _liger_lce(target):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda h, weight: loss(weight, h, target)
 
 
 def _hf_rms(x, w):
@@ -81,7 +94,8 @@ def _hf_rope(q, k, cos, sin):
 
 
 def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
-    """name -> (inputs, names of the inputs that take gradients, {provider: fn(**inputs)})."""
+    """name -> (inputs, names of the inputs that take gradients, {provider: fn(**inputs)}); the
+    ``torch`` provider is what the op replaces in a model (Liger's only on a GPU)."""
     dt = torch.bfloat16
     n, i, hq, hk, d, v, lh, lv = (dims[k] for k in ("n", "i", "hq", "hk", "d", "v", "lce_h", "lce_v"))
 
@@ -94,56 +108,44 @@ def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
     rope_in = dict(q=randn(1, hq, m, d), k=randn(1, hk, m, d), cos=angles.cos().to(dt), sin=angles.sin().to(dt))
     target = torch.randint(0, v, (m,), device=device)
     lce_target = torch.randint(0, lv, (m,), device=device)
+    liger = gpu and importlib.util.find_spec("liger_kernel") is not None
     table = {
         "rms_norm": (dict(x=x, w=w), ("x", "w"), dict(
             llmkernels=lambda x, w: lk.rms_norm(x, w, eps=1e-6),
             torch=lambda x, w: F.rms_norm(x, (n,), w, 1e-6),
             hf_eager=_hf_rms,
-            liger=(lambda f: f and (lambda x, w: f(x, w, 1e-6, 0.0, "llama", False)))(
-                _liger("rms_norm", "LigerRMSNormFunction")))),
+            liger=liger and _liger("rms_norm", "LigerRMSNormFunction",
+                                   lambda f: lambda x, w: f(x, w, 1e-6, 0.0, "llama", False)))),
         "layer_norm": (dict(x=x, w=w, b=b), ("x", "w", "b"), dict(
             llmkernels=lambda x, w, b: lk.layer_norm(x, w, b),
             torch=lambda x, w, b: F.layer_norm(x, (n,), w, b),
-            liger=(lambda f: f and (lambda x, w, b: f(x, w, b, 1e-5)))(
-                _liger("layer_norm", "LigerLayerNormFunction")))),
+            liger=liger and _liger("layer_norm", "LigerLayerNormFunction", lambda f: lambda x, w, b: f(x, w, b, 1e-5)))),
         "add_rms_norm": (dict(x=x, r=r, w=w), ("x", "r", "w"), dict(
             llmkernels=lambda x, r, w: lk.rms_norm(x, w, residual=r, prenorm=True, eps=1e-6),
             torch=lambda x, r, w: (F.rms_norm(x + r, (n,), w, 1e-6), x + r),
-            liger=(lambda f: f and (lambda x, r, w: f(x, r, w, 1e-6, 0.0, "llama", False)))(
-                _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")))),
+            liger=liger and _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction",
+                                   lambda f: lambda x, r, w: f(x, r, w, 1e-6, 0.0, "llama", False)))),
         "rope": (rope_in, ("q", "k"), dict(
             llmkernels=lambda q, k, cos, sin: lk.apply_rope(q, k, cos, sin),
             torch=_hf_rope,
-            liger=_liger_rope())),
+            liger=liger and _liger_rope())),
         "glu": (dict(gate=randn(m, i), up=randn(m, i)), ("gate", "up"), dict(
             llmkernels=lambda gate, up: lk.glu(gate, up),
             torch=lambda gate, up: F.silu(gate) * up,
-            liger=(lambda f: f and (lambda gate, up: f(gate, up)))(_liger("swiglu", "LigerSiLUMulFunction")))),
+            liger=liger and _liger("swiglu", "LigerSiLUMulFunction", lambda f: f))),
         "cross_entropy": (dict(logits=randn(m, v, scale=2.0)), ("logits",), dict(
             llmkernels=lambda logits: lk.cross_entropy(logits, target),
             llmkernels_unchecked=lambda logits: lk.cross_entropy(logits, target, check_targets=False),
             torch=lambda logits: F.cross_entropy(logits, target),
-            liger=(lambda f: f and (lambda logits: f(logits, target, None, -100, 0.0, 0.0, "mean", None, False,
-                                                      False, False)[0]))(
-                _liger("cross_entropy", "LigerCrossEntropyFunction")))),
+            liger=liger and _liger("cross_entropy", "LigerCrossEntropyFunction", lambda f: lambda logits: f(
+                logits, target, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]))),
         "linear_cross_entropy": (dict(h=randn(m, lh), weight=randn(lv, lh, scale=lh ** -0.5)), ("h", "weight"), dict(
             llmkernels=lambda h, weight: lk.linear_cross_entropy(h, weight, lce_target),
             torch=lambda h, weight: F.cross_entropy(F.linear(h, weight), lce_target),
-            liger=(lambda f: f and (lambda h, weight: f(h, weight, lce_target)[0]))(
-                _liger("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction")))),
+            liger=liger and _liger_lce(lce_target))),
     }
-    for name, (inputs, grads, providers) in table.items():
-        table[name] = (inputs, grads, {p: f for p, f in providers.items()
-                                       if f is not None and (gpu or not p.startswith("liger"))})
-    return table
-
-
-def _liger_rope():
-    try:
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
-    except ImportError:
-        return None
-    return liger_rotary_pos_emb
+    return {name: (inputs, grads, {p: f for p, f in providers.items() if f})
+            for name, (inputs, grads, providers) in table.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,12 +156,10 @@ def _as_tuple(out):
 
 
 def timed_call(fn, inputs: dict, grads: tuple, mode: str):
-    """The callable a loop repeats: the forward without autograd, or forward + backward."""
+    """The callable a loop repeats: the forward (``per_call_us`` runs it without autograd), or
+    forward + backward."""
     if mode == "fwd":
-        def forward():
-            with torch.no_grad():
-                fn(**inputs)
-        return forward
+        return lambda: fn(**inputs)
     leaves = {k: t.detach().clone().requires_grad_(k in grads) for k, t in inputs.items()}
     params = [leaves[k] for k in grads]
     outs = _as_tuple(fn(**leaves))
@@ -175,31 +175,35 @@ def _sync(gpu: bool):
         torch.cuda.synchronize()
 
 
-def per_call_us(step, gpu: bool, loops: int = LOOPS) -> dict:
-    """Median over ``loops`` loops of µs per call: ``us`` (CUDA events; host clock on CPU) and
-    ``host_us`` (the host's time until the last call returned)."""
-    step()  # warm-up: compilation, caches, allocator
-    _sync(gpu)
-    t = time.perf_counter()
-    step()
-    _sync(gpu)
-    calls = int(min(200, max(3, LOOP_SECONDS / max(time.perf_counter() - t, 1e-7))))
-    us, host = [], []
-    for i in range(loops + 1):
-        if gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+def per_call_us(step, gpu: bool, grad: bool, loops: int = LOOPS, min_calls: int = 3) -> dict:
+    """µs per call of ``step`` (with autograd when ``grad``) over ``loops`` loops of back-to-back
+    calls after a warm-up loop: the median loop's ``us`` (CUDA events; the host clock on CPU)
+    and ``host_us`` (the host's time until the loop's last call returned), and the fastest
+    loop's ``host_us_min``."""
+    with torch.set_grad_enabled(grad):
+        step()  # compilation, caches, the allocator
+        _sync(gpu)
         t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        host_s = time.perf_counter() - t
-        if gpu:
-            end.record()
-            end.synchronize()
-        if i:  # the first loop warms up
-            host.append(host_s / calls * 1e6)
-            us.append(start.elapsed_time(end) / calls * 1e3 if gpu else host[-1])
-    return {"us": statistics.median(us), "host_us": statistics.median(host), "calls": calls, "loops": loops}
+        step()
+        _sync(gpu)
+        calls = int(min(200, max(min_calls, LOOP_SECONDS / max(time.perf_counter() - t, 1e-7))))
+        us, host = [], []
+        for i in range(loops + 1):
+            if gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            for _ in range(calls):
+                step()
+            host_s = time.perf_counter() - t
+            if gpu:
+                end.record()
+                end.synchronize()
+            if i:  # the first loop warms up
+                host.append(host_s / calls * 1e6)
+                us.append(start.elapsed_time(end) / calls * 1e3 if gpu else host[-1])
+    return {"us": statistics.median(us), "host_us": statistics.median(host), "host_us_min": min(host),
+            "calls": calls, "loops": loops}
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,7 +258,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     parser.add_argument("--stub", action="store_true", help="CPU, kernel launches stubbed out (the host path)")
     parser.add_argument("--loops", type=int, default=LOOPS)
-    parser.add_argument("--out", default=None, help="write the records as JSON here")
+    parser.add_argument("--budget", type=float, default=50.0,
+                        help="seconds: no cell starts after this (the JSON holds what ran)")
+    parser.add_argument("--out", default=None, help="write the records as JSON here (after every cell)")
     parser.add_argument("--profile", default=None, help="cProfile this op's forward + backward at the first M")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not (args.tiny or args.stub)
@@ -266,29 +272,36 @@ def main(argv=None):
     rows = args.rows or ([1, 16] if args.tiny else [1, 4096])
     device = "cuda" if gpu else "cpu"
     where = torch.cuda.get_device_name() if gpu else ("cpu, Triton interpreter" if args.tiny else "cpu, stubbed launches")
-    print(f"{where}; torch {torch.__version__}; µs per call (median of {args.loops} loops)")
+    meta = dict(device=where, torch=torch.__version__, triton=_triton_version(), dims=dims, loops=args.loops,
+                date=time.strftime("%Y-%m-%d"), complete=False)
+    print(f"{where}; torch {torch.__version__}; µs per call (median of {args.loops} loops); "
+          "x torch: host_us over torch's")
     print(f"{'op':21s} {'M':>5s} {'mode':8s} {'provider':21s} {'us':>9s} {'host_us':>9s} {'x torch':>8s}")
-    records = []
+    records, began = [], time.perf_counter()
     torch.manual_seed(0)
     for m in rows:
         table = cases(m, dims, device, gpu)
         for name in args.ops or table:
             inputs, grads, providers = table[name]
             for mode in args.modes:
+                if time.perf_counter() - began > args.budget:
+                    print(f"budget of {args.budget:.0f} s spent: {name} M={m} {mode} and later cells not run")
+                    return _finish(args, meta, records)
                 cell = {}
                 for provider, fn in providers.items():
-                    if args.providers and provider not in args.providers:
-                        continue
-                    cell[provider] = per_call_us(timed_call(fn, inputs, grads, mode), gpu, args.loops)
+                    if (args.providers and provider not in args.providers) or (
+                            args.stub and m > 64 and not provider.startswith("llmkernels")):
+                        continue  # (--stub: torch's CPU ops at training sizes compute for seconds)
+                    cell[provider] = per_call_us(timed_call(fn, inputs, grads, mode), gpu, mode != "fwd", args.loops,
+                                                 min_calls=1 if args.tiny else 3)
                 for provider, t in cell.items():
                     ratio = t["host_us"] / cell["torch"]["host_us"] if "torch" in cell else None
                     records.append(dict(op=name, M=m, mode=mode, provider=provider, **t, host_vs_torch=ratio))
                     print(f"{name:21s} {m:5d} {mode:8s} {provider:21s} {t['us']:9.1f} {t['host_us']:9.1f} "
                           f"{'' if ratio is None else f'{ratio:7.2f}x':>8s}", flush=True)
-    if args.out:
-        meta = dict(device=where, torch=torch.__version__, dims=dims, loops=args.loops, date=time.strftime("%Y-%m-%d"))
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+                _write(args.out, meta, records)
+    meta["complete"] = True
+    _finish(args, meta, records)
     if args.profile:
         inputs, grads, providers = cases(rows[0], dims, device, gpu)[args.profile]
         step = timed_call(providers["llmkernels"], inputs, grads, "fwd+bwd")
@@ -299,6 +312,30 @@ def main(argv=None):
             step()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return records
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def _write(path, meta: dict, records: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+
+
+def _finish(args, meta: dict, records: list) -> list:
+    """Write the JSON and print the cells where llmkernels' host time is above torch's."""
+    _write(args.out, meta, records)
+    over = [r for r in records if r["provider"] == "llmkernels" and (r["host_vs_torch"] or 0) > 1.0]
+    print(f"llmkernels above torch's host time in {len(over)} of "
+          f"{sum(r['provider'] == 'llmkernels' and r['host_vs_torch'] is not None for r in records)} cells"
+          + "".join(f"\n  {r['op']} M={r['M']} {r['mode']}: {r['host_vs_torch']:.2f}x" for r in over))
     return records
 
 

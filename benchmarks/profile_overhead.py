@@ -13,6 +13,10 @@ path, plus any wait inside a call). bf16; forward without autograd (``torch.no_g
     python benchmarks/profile_overhead.py --tiny     # CPU, Triton's interpreter, tiny shapes (a test runs it)
     python benchmarks/profile_overhead.py --stub     # CPU, kernel launches stubbed out (see below)
 
+No cell starts after ``--budget`` seconds (default 45: benchmarks/gpu_check.sh allows 60); the
+JSON, written after every cell, holds what ran. A first run on a fresh machine also compiles
+every kernel (each cell's warm-up call): if it stops short, run it again from Triton's cache.
+
 ``--stub`` measures the host path alone on a machine without a GPU: CPU tensors, every Triton
 kernel replaced by a compiled kernel whose launch returns at once, the launch path otherwise the
 one a GPU takes (cached handles, direct launches). It times the ops' Python; the torch column
@@ -258,7 +262,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     parser.add_argument("--stub", action="store_true", help="CPU, kernel launches stubbed out (the host path)")
     parser.add_argument("--loops", type=int, default=LOOPS)
-    parser.add_argument("--budget", type=float, default=50.0,
+    parser.add_argument("--budget", type=float, default=45.0,
                         help="seconds: no cell starts after this (the JSON holds what ran)")
     parser.add_argument("--out", default=None, help="write the records as JSON here (after every cell)")
     parser.add_argument("--profile", default=None, help="cProfile this op's forward + backward at the first M")

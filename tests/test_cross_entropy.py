@@ -479,3 +479,26 @@ def test_opcheck(device):
     torch.library.opcheck(lce_ops.LCE.op, (h, w, torch.randint(0, 20, (6,), device=device), None, -100, "sum",
                                                 0.0, 0.0, 3.0, False, True, 4, torch.float32, [True, True, False]))
 
+
+
+def test_target_check_falls_back_to_a_device_word(monkeypatch):
+    """On a GPU the check kernel writes a pinned host word directly; where Triton refuses host
+    memory (ValueError), it writes a device word copied back instead, from then on. (On CPU the
+    words are plain tensors and the kernel a fake writing row 3 as the first bad one.)"""
+    host = torch.zeros(1, dtype=torch.int64)
+    monkeypatch.setattr(ce_ops._FLAG, "word", lambda pinned: host)
+    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
+    seen = []
+
+    def check(grid, target, word, m, v, ignore_index):
+        seen.append(word is host)
+        if word is host and len(seen) == 1:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        word.fill_(4)
+
+    target = torch.tensor([1, 2, 3, 99])
+    for _ in range(2):
+        assert ce_ops._check_to_host(check, target, 10, -100).item() == 4
+    assert seen == [True, False, False] and not ce_ops.MAPPED_FLAG
+    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
+    assert ce_ops._check_to_host(check, target, 10, -100) is host

@@ -70,22 +70,24 @@ def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=N
     m = hidden.shape[0]
     # One [chunk, V] buffer for every chunk: a fresh product per chunk would be allocated while
     # the previous chunk's is still referenced, two chunks' logits at the peak.
-    buffer = torch.empty((min(chunk, m), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    buffer = hidden.new_empty((min(chunk, m), weight.shape[0]))
+    weight_t = weight.t()
+    rows = lambda t: t if t is None or whole else t[a:b]  # noqa: E731  (one chunk: no slicing)
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
-        h = hidden[a:b]
-        logits = buffer[: b - a]
+        whole = b - a == m
+        h = rows(hidden)
+        logits = buffer if whole else buffer[: b - a]
         if bias is None:
-            torch.mm(h, weight.t(), out=logits)
+            torch.mm(h, weight_t, out=logits)
         else:
-            torch.addmm(bias, h, weight.t(), out=logits)
-        ce_rows(logits, target[a:b], lse[a:b],
-                loss=None if loss_rows is None else loss_rows[a:b], z_loss=None if z_rows is None else z_rows[a:b],
+            torch.addmm(bias, h, weight_t, out=logits)
+        ce_rows(logits, rows(target), rows(lse), loss=rows(loss_rows), z_loss=rows(z_rows),
                 dlogits=logits if want_grad else None,
-                grad_output=None if g is None else (g if g.dim() == 0 else g[a:b]),
+                grad_output=None if g is None else (g if g.dim() == 0 else rows(g)),
                 count=count, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
         if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[a:b])
+            torch.mm(logits, weight, out=rows(grad_hidden))
         if grad_weight is not None:
             accumulate_mm(grad_weight, logits.t(), h)
         if grad_bias is not None:
@@ -100,8 +102,9 @@ def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype, memory: str):
         need_w = need_b = False
     acc = accum_dtype or weight.dtype
     return (torch.empty_like(hidden) if need_h else None,
-            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
-            torch.zeros(bias.shape, dtype=(accum_dtype or bias.dtype), device=bias.device) if need_b else None)
+            torch.zeros_like(weight, dtype=acc, memory_format=torch.contiguous_format) if need_w else None,
+            torch.zeros_like(bias, dtype=accum_dtype or bias.dtype, memory_format=torch.contiguous_format)
+            if need_b else None)
 
 
 def _weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, *, need: tuple, chunk: int,

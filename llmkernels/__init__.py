@@ -20,6 +20,8 @@ _EXPORTS = {
     "cross_entropy": ".ops.cross_entropy",
     "CrossEntropyOutput": ".ops.cross_entropy",
     "linear_cross_entropy": ".ops.linear_cross_entropy",
+    "linear_log_probs": ".ops.log_probs",
+    "linear_distill_loss": ".ops.distill",
     "RMSNorm": ".modules",
     "FusedAddRMSNorm": ".modules",
     "LayerNorm": ".modules",

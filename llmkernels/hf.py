@@ -12,32 +12,39 @@ Two entry points:
 What is replaced (each can be switched off):
 
 - ``rms_norm``: the family's RMSNorm class (Llama-like ``weight * x_hat.to(dtype)``, Gemma's
-  ``x_hat * (1 + weight)`` in fp32, OLMo 2's ``(weight * x_hat).to(dtype)``), including the
-  per-head q/k norms of Qwen 3, Gemma 3 and OLMo 2, by ``llmkernels.rms_norm`` with the
-  matching ``casting``.
+  ``x_hat * (1 + weight)`` in fp32, OLMo 2/3's and gpt-oss's ``(weight * x_hat).to(dtype)``),
+  including the per-head q/k norms of Qwen 3, Gemma 3 and OLMo 2/3 and Llama 4's weightless
+  q/k L2 norm, by ``llmkernels.rms_norm`` with the matching ``casting``.
 - ``layer_norm``: ``torch.nn.LayerNorm`` modules (GPT-NeoX) by ``llmkernels.layer_norm``.
 - ``mlp``: the product ``act_fn(gate) * up`` of the family's gated MLP by ``llmkernels.glu``
   (``silu``: SwiGLU; Gemma's ``gelu_pytorch_tanh``: GeGLU; exact ``gelu``), which saves gate and
   up for the backward but not ``act_fn(gate)``; with its ``down_proj`` a plain ``nn.Linear`` by
   ``llmkernels.glu_linear``, which does not keep the product for ``down_proj``'s weight gradient
   either (recomputed in the backward): Llama-style ``gate_proj``/``up_proj``/``down_proj``
-  MLPs (``forward``), Phi-3's fused ``gate_up_proj`` (``forward``, halves read in place) and the
-  3-D expert weights of Mixtral and Qwen 3 MoE (``_apply_gate``, the hook that transformers'
+  MLPs (``forward``), Phi-3's fused ``gate_up_proj`` (``forward``, halves read in place), the
+  3-D expert weights of Mixtral, Qwen 2/3 MoE (``_apply_gate``, the hook that transformers'
   ``grouped_mm``, ``batched_mm`` and ``deepgemm`` experts implementations call; its ``eager``
-  one computes the product inline and is left alone). An MLP whose activation is none of those
-  three (or whose gate/up are DTensors) computes transformers' ``act_fn(gate) * up``.
+  one computes the product inline and is left alone; gpt-oss's own ``_apply_gate``, a clamped
+  SwiGLU, is left alone) and Llama 4's (``forward``, one ``bmm`` over every expert). An MLP
+  whose activation is none of those three (or whose gate/up are DTensors) computes
+  transformers' ``act_fn(gate) * up``.
 - ``rope``: the modeling module's ``apply_rotary_pos_emb`` by ``llmkernels.apply_rope``
   (partial rotary, as GPT-NeoX and Phi-3 use it, rotates the first ``cos.shape[-1]`` channels;
-  inputs the kernel does not take go to the original function).
+  gpt-oss's half-width tables serve both halves; the multimodal RoPE of Qwen2-VL, Qwen2.5-VL and
+  Qwen3-VL is folded into per-token cos/sin before it; inputs the kernel does not take go to the
+  original function), and Llama 4's complex ``apply_rotary_emb`` (pairs ``(2i, 2i + 1)``).
   A module-level function: it changes every model of that type in the process, also for
-  ``patch(model)``.
-- ``cross_entropy``: ``*ForCausalLM.forward``. When labels are given and logits are not wanted
-  the loss comes from ``llmkernels.linear_cross_entropy`` on the final hidden states and the
-  output embedding, without materializing the ``[tokens, vocab]`` logits (label shift,
-  ``ignore_index``, ``shift_labels``, ``num_items_in_batch``, Gemma 2/3 final-logit softcapping
-  and the MoE router auxiliary loss as transformers computes them). Logits are wanted when
-  ``return_logits=True`` is passed, or by default when the model is not training: then the
-  original forward runs and returns logits and its loss.
+  ``patch(model)`` (which also patches the language model's type of a composite model).
+- ``cross_entropy``: the ``forward`` of ``*ForCausalLM`` and of the multimodal
+  ``*ForConditionalGeneration`` classes that run their base model and then ``lm_head``. When
+  labels are given and logits are not wanted the loss comes from
+  ``llmkernels.linear_cross_entropy`` on the final hidden states and the output embedding,
+  without materializing the ``[tokens, vocab]`` logits (label shift, ``ignore_index``,
+  ``shift_labels``, ``num_items_in_batch``, Gemma 2/3 final-logit softcapping, Granite's
+  ``logits_scaling`` when it is a power of two, and the MoE router auxiliary loss as
+  transformers computes them); the output is the class transformers returns, without logits.
+  Logits are wanted when ``return_logits=True`` is passed, or by default when the model is not
+  training: then the original forward runs and returns logits and its loss.
 
 DTensor (tensor parallel) norms: when the norm's input or weight is a ``DTensor`` the kernel
 runs on the local shard: the input may be sharded along any dimension but the normalized
@@ -50,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import types
 import warnings
 from typing import Callable, Optional
@@ -73,32 +81,76 @@ from .ops.rope import apply_rope as _apply_rope
 class _Family:
     module: str                      # transformers.models.<module>.modeling_<module>
     norms: dict                      # RMSNorm class name -> llmkernels casting
-    causal_lm: Optional[str]         # the *ForCausalLM class name
+    causal_lm: Optional[str]         # the class whose forward computes the LM loss (*ForCausalLM, or a
+                                     # *ForConditionalGeneration that calls ``base`` then ``lm_head``)
     layer_norm: bool = False         # uses torch.nn.LayerNorm (GPT-NeoX)
     mlps: dict = dataclasses.field(default_factory=dict)  # gated-MLP class name -> layout (_MLP_PATCHES)
+    rope: Optional[str] = "rotate_half"  # how the module applies RoPE (_ROPE_PATCHES), None: it has none of its own
+    logits: str = "plain"            # lm_head output -> loss logits: "plain", "softcap" (final_logit_softcapping)
+                                     # or "scaled" (divided by config.logits_scaling)
+    base: str = "model"              # attribute of ``causal_lm`` holding the base model
+    reasons: dict = dataclasses.field(default_factory=dict)  # part -> why it is left to transformers
 
 
 _FAMILIES = {
     "llama": _Family("llama", {"LlamaRMSNorm": "llama"}, "LlamaForCausalLM", mlps={"LlamaMLP": "separate"}),
     "mistral": _Family("mistral", {"MistralRMSNorm": "llama"}, "MistralForCausalLM",
                        mlps={"MistralMLP": "separate"}),
+    "ministral3": _Family("ministral3", {"Ministral3RMSNorm": "llama"}, "Ministral3ForCausalLM",
+                          mlps={"Ministral3MLP": "separate"}),
+    # Mistral 3 (Pixtral vision + a Mistral / Ministral 3 language model of its own model type, whose
+    # RoPE ``patch`` patches): the projector's norm and the loss here.
+    "mistral3": _Family("mistral3", {"Mistral3RMSNorm": "llama"}, "Mistral3ForConditionalGeneration", rope=None,
+                        reasons={"rope": "its language model is the model type config.text_config.model_type: "
+                                         "patch_model_type that type too"}),
     "mixtral": _Family("mixtral", {"MixtralRMSNorm": "llama"}, "MixtralForCausalLM",
                        mlps={"MixtralExperts": "experts"}),
     "qwen2": _Family("qwen2", {"Qwen2RMSNorm": "llama"}, "Qwen2ForCausalLM", mlps={"Qwen2MLP": "separate"}),
+    "qwen2_moe": _Family("qwen2_moe", {"Qwen2MoeRMSNorm": "llama"}, "Qwen2MoeForCausalLM",
+                         mlps={"Qwen2MoeMLP": "separate", "Qwen2MoeExperts": "experts"}),
+    # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: their rotary embedding folds the multimodal (temporal, height, width)
+    # sections into per-token cos/sin, which apply_rotary_pos_emb applies as plain RoPE.
+    "qwen2_vl": _Family("qwen2_vl", {"Qwen2VLRMSNorm": "llama"}, "Qwen2VLForConditionalGeneration",
+                        mlps={"Qwen2MLP": "separate"}),
+    "qwen2_5_vl": _Family("qwen2_5_vl", {"Qwen2_5_VLRMSNorm": "llama"}, "Qwen2_5_VLForConditionalGeneration",
+                          mlps={"Qwen2MLP": "separate", "Qwen2_5_VLMLP": "separate"}),
     "qwen3": _Family("qwen3", {"Qwen3RMSNorm": "llama"}, "Qwen3ForCausalLM", mlps={"Qwen3MLP": "separate"}),
     "qwen3_moe": _Family("qwen3_moe", {"Qwen3MoeRMSNorm": "llama"}, "Qwen3MoeForCausalLM",
                          mlps={"Qwen3MoeMLP": "separate", "Qwen3MoeExperts": "experts"}),
+    "qwen3_vl": _Family("qwen3_vl", {"Qwen3VLTextRMSNorm": "llama"}, "Qwen3VLForConditionalGeneration",
+                        mlps={"Qwen3VLTextMLP": "separate"}),
+    # Llama 4: complex RoPE on (2i, 2i + 1) pairs, weightless q/k L2 norms, 3-D experts run by bmm.
+    "llama4_text": _Family("llama4", {"Llama4TextRMSNorm": "llama", "Llama4TextL2Norm": "llama"},
+                           "Llama4ForCausalLM", mlps={"Llama4TextMLP": "separate_activation_fn",
+                                                      "Llama4TextExperts": "bmm_experts"}, rope="complex"),
+    "llama4": _Family("llama4", {"Llama4TextRMSNorm": "llama", "Llama4TextL2Norm": "llama"}, None,
+                      mlps={"Llama4TextMLP": "separate_activation_fn", "Llama4TextExperts": "bmm_experts"},
+                      rope="complex",
+                      reasons={"loss": "Llama4ForConditionalGeneration merges the image features and runs its "
+                                       "language model's lm_head itself (Llama4ForCausalLM's loss is patched)"}),
     "phi3": _Family("phi3", {"Phi3RMSNorm": "llama"}, "Phi3ForCausalLM", mlps={"Phi3MLP": "fused"}),
-    # OLMo 2 multiplies by the weight in fp32 and casts once: casting="none".
+    "smollm3": _Family("smollm3", {"SmolLM3RMSNorm": "llama"}, "SmolLM3ForCausalLM", mlps={"SmolLM3MLP": "separate"}),
+    # Granite divides the logits by logits_scaling: the loss is patched where that is a power of two (then
+    # hidden / scaling is exact and the logits equal transformers' bit for bit).
+    "granite": _Family("granite", {"GraniteRMSNorm": "llama"}, "GraniteForCausalLM", mlps={"GraniteMLP": "separate"},
+                       logits="scaled"),
+    # OLMo 2 / 3 and gpt-oss multiply by the weight in fp32 and cast once: casting="none".
     "olmo2": _Family("olmo2", {"Olmo2RMSNorm": "none"}, "Olmo2ForCausalLM", mlps={"Olmo2MLP": "separate"}),
+    "olmo3": _Family("olmo3", {"Olmo3RMSNorm": "none"}, "Olmo3ForCausalLM", mlps={"Olmo3MLP": "separate"}),
+    # gpt-oss: cos/sin tables of half the head (both halves use them); its experts' _apply_gate is a
+    # clamped SwiGLU (alpha, limit) that llmkernels.glu does not compute.
+    "gpt_oss": _Family("gpt_oss", {"GptOssRMSNorm": "none"}, "GptOssForCausalLM", mlps={"GptOssExperts": "experts"},
+                       rope="half_table"),
     "gemma": _Family("gemma", {"GemmaRMSNorm": "gemma"}, "GemmaForCausalLM", mlps={"GemmaMLP": "separate"}),
-    "gemma2": _Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM", mlps={"Gemma2MLP": "separate"}),
+    "gemma2": _Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM", mlps={"Gemma2MLP": "separate"},
+                      logits="softcap"),
     "gemma3_text": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, "Gemma3ForCausalLM",
-                           mlps={"Gemma3MLP": "separate"}),
-    # The multimodal Gemma 3: its text tower's norms, RoPE and MLPs; the loss stays transformers'.
-    "gemma3": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, None, mlps={"Gemma3MLP": "separate"}),
+                           mlps={"Gemma3MLP": "separate"}, logits="softcap"),
+    # The multimodal Gemma 3 (its lm_head output is not softcapped).
+    "gemma3": _Family("gemma3", {"Gemma3RMSNorm": "gemma"}, "Gemma3ForConditionalGeneration",
+                      mlps={"Gemma3MLP": "separate"}),
     # GPT-NeoX's MLP is not gated (dense_4h_to_h(act(dense_h_to_4h(x)))).
-    "gpt_neox": _Family("gpt_neox", {}, "GPTNeoXForCausalLM", layer_norm=True),
+    "gpt_neox": _Family("gpt_neox", {}, "GPTNeoXForCausalLM", layer_norm=True, base="gpt_neox"),
 }
 
 # Norm class name -> casting, for recognising these classes inside any model.
@@ -184,7 +236,8 @@ def _norm_call(fn, x, weight, bias, **kwargs):
 def _rms_forward(casting: str) -> Callable:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-        return _norm_call(_rms_norm, hidden_states, self.weight, None, eps=eps, casting=casting)
+        # (Llama 4's q/k L2 norm has no weight)
+        return _norm_call(_rms_norm, hidden_states, getattr(self, "weight", None), None, eps=eps, casting=casting)
     forward.__name__ = f"llmkernels_rms_norm_{casting}_forward"
     return _mark(forward)
 
@@ -254,10 +307,13 @@ def _gated_down(act_fn, gate: torch.Tensor, up: torch.Tensor, down_proj) -> torc
     return _glu_linear(gate, up, down_proj.weight, down_proj.bias, activation)
 
 
-@_mark
-def _separate_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Llama's MLP (and its copies): ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
-    return _gated_down(self.act_fn, self.gate_proj(x), self.up_proj(x), self.down_proj)
+def _separate_mlp_forward(act_attr: str) -> Callable:
+    """Llama's MLP (and its copies): ``down_proj(act(gate_proj(x)) * up_proj(x))``, ``act`` the
+    module's attribute ``act_attr``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _gated_down(getattr(self, act_attr), self.gate_proj(x), self.up_proj(x), self.down_proj)
+    forward.__name__ = f"llmkernels_separate_mlp_{act_attr}_forward"
+    return _mark(forward)
 
 
 @_mark
@@ -275,9 +331,20 @@ def _experts_apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
     return _gated(self.act_fn, gate, up)
 
 
+@_mark
+def _bmm_experts_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts: tokens ``[E * T, H]`` (each expert's T, pre-scaled by the router),
+    ``gate, up = bmm(x, gate_up_proj).chunk(2, -1)``, ``bmm(up * act_fn(gate), down_proj)``."""
+    x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate, up = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)
+    return torch.bmm(_gated(self.act_fn, gate, up), self.down_proj).view(-1, self.hidden_size)
+
+
 # layout -> (attribute replaced, replacement, attribute holding the activation module)
 _MLP_PATCHES = {
-    "separate": ("forward", _separate_mlp_forward, "act_fn"),
+    "separate": ("forward", _separate_mlp_forward("act_fn"), "act_fn"),
+    "separate_activation_fn": ("forward", _separate_mlp_forward("activation_fn"), "activation_fn"),
+    "bmm_experts": ("forward", _bmm_experts_forward, "act_fn"),
     "fused": ("forward", _fused_mlp_forward, "activation_fn"),
     "experts": ("_apply_gate", _experts_apply_gate, "act_fn"),
 }
@@ -304,10 +371,11 @@ def _mlp_not_patchable(owner, layout: str, instance: bool) -> Optional[str]:
     return None
 
 
-def _rope_forward(original: Callable) -> Callable:
+def _rope_forward(original: Callable, half_table: bool = False) -> Callable:
     """Wrap a modeling module's ``apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)``:
     ``llmkernels.apply_rope`` where it fits (4-D q/k, per-token cos/sin ``[B, S, R]`` of q's
-    dtype; ``R < D`` is partial rotary, channels past R pass through), else ``original``."""
+    dtype; ``R < D`` is partial rotary, channels past R pass through), else ``original``.
+    ``half_table``: cos/sin are ``[B, S, D / 2]``, used for both halves of the head (gpt-oss)."""
     import inspect
 
     params = list(inspect.signature(original).parameters)
@@ -319,19 +387,59 @@ def _rope_forward(original: Callable) -> Callable:
         if unsqueeze_pos is not None and len(args) > unsqueeze_pos:
             unsqueeze_dim = args[unsqueeze_pos]
         layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
+        width = cos.shape[-1] * (2 if half_table else 1)
         if (layout is None or q.dim() != 4 or k is None or k.dim() != 4 or cos.dim() != 3
-                or not (q.dtype == k.dtype == cos.dtype == sin.dtype) or cos.shape[-1] > q.shape[-1]
+                or not (q.dtype == k.dtype == cos.dtype == sin.dtype) or width > q.shape[-1]
+                or (half_table and width != q.shape[-1])
                 or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
             return original(q, k, cos, sin, *args, **kwargs)
+        if half_table:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return _apply_rope(q, k, cos, sin, layout=layout)
 
     apply_rotary_pos_emb._llmkernels_original = original
     return _mark(apply_rotary_pos_emb)
 
 
-def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` (shift, ignore_index, num_items_in_batch) of
-    ``lm_head(hidden)``, computed by ``linear_cross_entropy`` without the logits."""
+def _complex_rope_forward(original: Callable) -> Callable:
+    """Wrap Llama 4's ``apply_rotary_emb(xq, xk, freqs_cis)``: q/k ``[B, S, H, D]`` times the
+    complex ``freqs_cis [B, S, D / 2]`` on feature pairs ``(2i, 2i + 1)`` in fp32, which is
+    ``llmkernels.apply_rope(interleaved=True)`` with cos/sin its real/imaginary parts repeated
+    per pair; else ``original``."""
+    @functools.wraps(original)
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        if (xq.dim() != 4 or xk.dim() != 4 or freqs_cis.dim() != 3 or not freqs_cis.is_complex()
+                or 2 * freqs_cis.shape[-1] != xq.shape[-1] or freqs_cis.requires_grad):
+            return original(xq, xk, freqs_cis)
+        cos = freqs_cis.real.repeat_interleave(2, dim=-1)
+        sin = freqs_cis.imag.repeat_interleave(2, dim=-1)
+        return _apply_rope(xq, xk, cos, sin, layout="bshd", interleaved=True)
+
+    apply_rotary_emb._llmkernels_original = original
+    return _mark(apply_rotary_emb)
+
+
+# how a modeling module applies RoPE -> (its function, wrapper)
+_ROPE_PATCHES = {
+    "rotate_half": ("apply_rotary_pos_emb", _rope_forward),
+    "half_table": ("apply_rotary_pos_emb", functools.partial(_rope_forward, half_table=True)),
+    "complex": ("apply_rotary_emb", _complex_rope_forward),
+}
+
+
+def _scaled_logits_reason(config) -> Optional[str]:
+    """Why Granite's ``logits / logits_scaling`` loss must stay transformers' (None: it need not):
+    dividing the hidden states instead is exact only by a power of two."""
+    scaling = getattr(config, "logits_scaling", 1.0)
+    if scaling > 0 and math.frexp(scaling)[0] == 0.5:
+        return None
+    return (f"logits_scaling={scaling} is not a power of two: hidden / scaling would round differently from "
+            "transformers' logits / scaling")
+
+
+def _causal_lm_loss(self, family: _Family, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` (shift, ignore_index, num_items_in_batch) of the loss
+    logits of ``lm_head(hidden)``, computed by ``linear_cross_entropy`` without the logits."""
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:
@@ -339,7 +447,9 @@ def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: di
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = self.get_output_embeddings()
     num_items = kwargs.get("num_items_in_batch")
-    softcap = getattr(self.config, "final_logit_softcapping", None)
+    softcap = self.config.final_logit_softcapping if family.logits == "softcap" else None
+    if family.logits == "scaled":
+        hidden = hidden / self.config.logits_scaling  # a power of two: exact
     loss = _linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
         bias=head.bias, ignore_index=ignore_index, softcap=softcap,
@@ -349,42 +459,69 @@ def _causal_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: di
     return loss
 
 
-def _fused_loss_forward(self, input_ids, attention_mask, position_ids, labels, kwargs):
-    """The ``*ForCausalLM.forward`` of transformers 5 with the loss from the hidden states."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+def _output_class(original: Callable):
+    """The ``ModelOutput`` class that ``original`` (a ``forward``) is annotated to return, or None."""
+    import inspect
 
+    from transformers.utils import ModelOutput
+
+    annotation = inspect.signature(original).return_annotation
+    for cls in getattr(annotation, "__args__", (annotation,)):
+        if isinstance(cls, type) and issubclass(cls, ModelOutput):
+            return cls
+    return None
+
+
+def _fused_loss_forward(self, family: _Family, output: tuple, labels, kwargs):
+    """The loss class's forward with the loss from the base model's last hidden state: the
+    output is ``output = (class, its field names)`` with ``logits=None`` and the base model's
+    outputs of the same names (cache, hidden states, router logits, image features, ...)."""
+    output_cls, fields = output
     kwargs.pop("logits_to_keep", None)
     is_moe = hasattr(self, "router_aux_loss_coef")
     if is_moe:
         router = kwargs.pop("output_router_logits", None)
         kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
-    outputs = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              **kwargs)
-    loss = _causal_lm_loss(self, outputs.last_hidden_state, labels, kwargs)
-    common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    if not is_moe:
-        return CausalLMOutputWithPast(**common)
+    outputs = getattr(self, family.base)(**kwargs)
+    loss = _causal_lm_loss(self, family, outputs.last_hidden_state, labels, kwargs)
     aux_loss = None
-    if kwargs["output_router_logits"]:
+    if is_moe and kwargs["output_router_logits"]:
         balance = importlib.import_module(type(self).__module__).load_balancing_loss_func
-        aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
-        common["loss"] = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
+        aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                           kwargs.get("attention_mask"))
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    values = {name: getattr(outputs, name, None) for name in fields if name not in ("loss", "logits", "aux_loss")}
+    if "aux_loss" in fields:
+        values["aux_loss"] = aux_loss
+    return output_cls(loss=loss, logits=None, **values)
 
 
-def _causal_lm_forward(original: Callable) -> Callable:
-    """Wrap ``*ForCausalLM.forward``: the fused loss path when labels are given and logits are not
-    wanted (``return_logits``, default: only while training), else ``original``."""
+def _causal_lm_forward(original: Callable, family: _Family) -> Callable:
+    """Wrap the loss class's ``forward``: the fused loss path when labels are given and logits
+    are not wanted (``return_logits``, default: only while training), else ``original``."""
+    import inspect
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    params = list(inspect.signature(original).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # (class, field names) of the output, resolved here: dataclass introspection does not compile.
+    outputs = [(cls, tuple(f.name for f in dataclasses.fields(cls)))
+               for cls in (_output_class(original), MoeCausalLMOutputWithPast, CausalLMOutputWithPast) if cls]
+
     @functools.wraps(original)
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None,
-                return_logits: Optional[bool] = None, **kwargs):
+    def forward(self, *args, labels=None, return_logits: Optional[bool] = None, **kwargs):
         if return_logits is None:
             return_logits = not self.training
-        if labels is None or return_logits or args or not _is_zero(kwargs.get("logits_to_keep", 0)):
-            return original(self, input_ids, attention_mask, position_ids, *args, labels=labels, **kwargs)
+        if (labels is None or return_logits or len(args) > len(positional)
+                or not _is_zero(kwargs.get("logits_to_keep", 0))
+                or (family.logits == "scaled" and _scaled_logits_reason(self.config))):
+            return original(self, *args, **kwargs) if labels is None else original(self, *args, labels=labels,
+                                                                                   **kwargs)
+        kwargs.update(zip(positional, args))
         return_dict = kwargs.pop("return_dict", None)
-        out = _fused_loss_forward(self, input_ids, attention_mask, position_ids, labels, kwargs)
+        output = outputs[0] if len(outputs) == 3 else outputs[0 if hasattr(self, "router_aux_loss_coef") else 1]
+        out = _fused_loss_forward(self, family, output, labels, kwargs)
         return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
 
     forward._llmkernels_original = original
@@ -416,29 +553,34 @@ def _modeling_module(family: _Family):
     return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
 
 
-def _patch_rope_and_loss_reason(family: _Family, report: PatchReport, rope: bool, cross_entropy: bool,
+def _patch_rope_and_loss_reason(families: list, report: PatchReport, rope: bool, cross_entropy: bool,
                                 not_causal_lm: Optional[str]) -> Optional[str]:
-    """Patch the family's RoPE (unless ``rope=False``); return why the causal-LM loss must not
-    be patched (``None``: patch it). ``not_causal_lm``: the caller's reason the model has no
-    supported loss, if any."""
+    """Patch the RoPE of ``families`` (the model's, then its language model's if that is another
+    type; unless ``rope=False``); return why the loss must not be patched (``None``: patch it).
+    ``not_causal_lm``: the caller's reason the model has no supported loss, if any."""
     if not rope:
         report.not_patched["rope"] = "rope=False"
     else:
-        _patch_rope(family, report)
+        reasons = [_patch_rope(family, report) for family in families]
+        if all(reasons):
+            report.not_patched["rope"] = reasons[0]
     if not cross_entropy:
         return "cross_entropy=False"
-    return not_causal_lm
+    return not_causal_lm or families[0].reasons.get("loss")
 
 
-def _patch_rope(family: _Family, report: PatchReport) -> None:
+def _patch_rope(family: _Family, report: PatchReport) -> Optional[str]:
+    """Patch the family's RoPE function; return why not (None: patched)."""
+    if family.rope is None:
+        return family.reasons.get("rope", f"model type {family.module!r} applies no RoPE of its own")
     module = _modeling_module(family)
-    if not hasattr(module, "apply_rotary_pos_emb"):
-        report.not_patched["rope"] = f"{module.__name__} has no apply_rotary_pos_emb"
-        return
-    if not _is_patched(module.apply_rotary_pos_emb):
-        _replace(module, "apply_rotary_pos_emb", _rope_forward(module.apply_rotary_pos_emb))
-    report.patched.append(f"{module.__name__}.apply_rotary_pos_emb -> llmkernels.apply_rope "
-                          "(module-level: every model of this type)")
+    name, wrap = _ROPE_PATCHES[family.rope]
+    if not hasattr(module, name):
+        return f"{module.__name__} has no {name}"
+    if not _is_patched(getattr(module, name)):
+        _replace(module, name, wrap(getattr(module, name)))
+    report.patched.append(f"{module.__name__}.{name} -> llmkernels.apply_rope (module-level: every model of this type)")
+    return None
 
 
 def _text_model_type(config) -> Optional[str]:
@@ -515,23 +657,26 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
     report.patched += [f"{key} ({n} modules)" for key, n in counts.items()]
     for name in sorted(unknown_norms):
         report.not_patched[name] = "norm class whose exact numerics llmkernels does not know"
-    if mlp and family is not None and not family.mlps:
-        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
-
     if family is None:
         why = f"model type {model_type!r} is not one of {', '.join(supported_model_types())}"
         report.not_patched["rope"] = report.not_patched["loss"] = why
         warnings.warn(str(report), stacklevel=2)
         return report
     not_causal_lm = None
-    if family.causal_lm is None or type(model).__name__ != family.causal_lm:
-        not_causal_lm = f"{type(model).__name__} is not {family.causal_lm or 'a supported causal LM'}"
-    why = _patch_rope_and_loss_reason(family, report, rope, cross_entropy, not_causal_lm)
+    if family.causal_lm is not None and type(model).__name__ != family.causal_lm:
+        not_causal_lm = f"{type(model).__name__} is not {family.causal_lm}"
+    elif family.logits == "scaled":
+        not_causal_lm = _scaled_logits_reason(config)
+    text_family = _FAMILIES.get(getattr(config.get_text_config(), "model_type", None))
+    families = [family] + ([text_family] if text_family is not None and text_family.module != family.module else [])
+    if mlp and not any(f.mlps for f in families):
+        report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
+    why = _patch_rope_and_loss_reason(families, report, rope, cross_entropy, not_causal_lm)
     if why:
         report.not_patched["loss"] = why
     else:
         if not _is_patched(model.forward):
-            model.forward = types.MethodType(_causal_lm_forward(type(model).forward), model)
+            model.forward = types.MethodType(_causal_lm_forward(type(model).forward, family), model)
         report.patched.append(f"{type(model).__name__}.forward loss -> llmkernels.linear_cross_entropy")
     return report
 
@@ -596,13 +741,13 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
         report.patched.append(f"{name}.{attr} -> llmkernels.glu (models whose activation it computes)")
     if mlp and not family.mlps:
         report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
-    not_causal_lm = None if family.causal_lm else f"no causal LM loss is patched for model type {model_type!r}"
-    why = _patch_rope_and_loss_reason(family, report, rope, cross_entropy, not_causal_lm)
+    why = _patch_rope_and_loss_reason([family], report, rope, cross_entropy, None)
     if why:
         report.not_patched["loss"] = why
     else:
         cls = getattr(module, family.causal_lm)
         if not _is_patched(cls.forward):
-            _replace(cls, "forward", _causal_lm_forward(cls.forward))
-        report.patched.append(f"{family.causal_lm}.forward loss -> llmkernels.linear_cross_entropy")
+            _replace(cls, "forward", _causal_lm_forward(cls.forward, family))
+        scaled = " (models whose logits_scaling is a power of two)" if family.logits == "scaled" else ""
+        report.patched.append(f"{family.causal_lm}.forward loss -> llmkernels.linear_cross_entropy{scaled}")
     return report

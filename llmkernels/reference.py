@@ -11,6 +11,8 @@ its own dtype) happens at the same points whatever ``compute_dtype`` is.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 NORM_CASTINGS = ("llama", "gemma", "none")
@@ -148,12 +150,7 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     z = logits.to(compute_dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= v))
-    if bad.any():
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and is "
-                         f"not ignore_index ({ignore_index})")
+    valid = _valid_rows(target, v, ignore_index)
     lse = torch.logsumexp(z, dim=-1)
     z_target = z.gather(-1, torch.where(valid, target, 0).long()[:, None])[:, 0]
     # (1 - eps) * (lse - z[target]) + eps * mean_j (lse - z[j])
@@ -208,3 +205,80 @@ def glu(gate, up, activation="silu", *, compute_dtype=torch.float32):
     rounded once more. Both roundings vanish for float64 inputs."""
     a = glu_activation(gate.to(compute_dtype), activation).to(gate.dtype).to(compute_dtype)
     return (a * up.to(compute_dtype)).to(gate.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Post-training: per-token log-probabilities, entropy, distillation
+# --------------------------------------------------------------------------------------------
+DISTILL_KINDS = ("jsd", "forward_kl", "reverse_kl")
+
+
+def _linear_logits(hidden, weight, bias, temperature, compute_dtype):
+    logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
+    if bias is not None:
+        logits = logits + bias.to(compute_dtype)
+    return logits / temperature
+
+
+def _valid_rows(target, v, ignore_index):
+    """Rows whose target is not ``ignore_index``; ValueError for a target outside ``[0, v)``."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= v))
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and is "
+                         f"not ignore_index ({ignore_index})")
+    return valid
+
+
+def _plogq(p, log_q):
+    """``p * log_q`` with 0 where ``p`` is 0 (classes masked to -inf)."""
+    return torch.where(p > 0, p * log_q, 0.0)
+
+
+def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, ignore_index=-100,
+                     compute_dtype=torch.float32):
+    """Per-token ``log p(target)`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``;
+    see ``llmkernels.linear_log_probs``. Returns ``(logp [M], entropy [M])`` in float32 (float64
+    for float64 inputs), both 0 on rows whose target is ``ignore_index``."""
+    z = _linear_logits(hidden, weight, bias, temperature, compute_dtype)
+    valid = _valid_rows(target, z.shape[-1], ignore_index)
+    log_p = torch.log_softmax(z, dim=-1)
+    logp = log_p.gather(-1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    entropy = -_plogq(log_p.exp(), log_p).sum(-1)
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    return torch.where(valid, logp, 0.0).to(out_dtype), torch.where(valid, entropy, 0.0).to(out_dtype)
+
+
+def distill_divergence(student_log_q, teacher_log_p, *, kind="jsd", beta=0.5):
+    """Per-row divergence between the teacher's ``P`` and the student's ``Q`` given as
+    log-probabilities ``[M, V]``: ``"forward_kl"`` KL(P || Q), ``"reverse_kl"`` KL(Q || P),
+    ``"jsd"`` the generalised Jensen-Shannon divergence ``beta KL(P || M) + (1 - beta) KL(Q || M)``
+    with ``M = beta P + (1 - beta) Q`` (Liger's convention for 0 < beta < 1)."""
+    p, q = teacher_log_p.exp(), student_log_q.exp()
+    if kind == "forward_kl":
+        return _plogq(p, teacher_log_p - student_log_q).sum(-1)
+    if kind == "reverse_kl":
+        return _plogq(q, student_log_q - teacher_log_p).sum(-1)
+    log_m = torch.logaddexp(teacher_log_p + math.log(beta), student_log_q + math.log1p(-beta))
+    return (beta * _plogq(p, teacher_log_p - log_m).sum(-1)
+            + (1.0 - beta) * _plogq(q, student_log_q - log_m).sum(-1))
+
+
+def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *, kind="jsd",
+                        beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean", compute_dtype=torch.float32):
+    """Distillation loss between the student's and the teacher's ``softmax(hidden @ weight.T /
+    temperature)``; see ``llmkernels.linear_distill_loss``. Rows whose ``target`` is
+    ``ignore_index`` contribute 0 (``mean`` divides by the other rows). Float32 (float64 for
+    float64 inputs)."""
+    zs = _linear_logits(student_hidden, student_weight, None, temperature, compute_dtype)
+    zt = _linear_logits(teacher_hidden, teacher_weight, None, temperature, compute_dtype)
+    rows = distill_divergence(torch.log_softmax(zs, -1), torch.log_softmax(zt, -1), kind=kind, beta=beta)
+    valid = (torch.ones_like(rows, dtype=torch.bool) if target is None
+             else _valid_rows(target, zs.shape[-1], ignore_index))
+    rows = torch.where(valid, rows, 0.0)
+    if reduction == "mean":
+        rows = rows.sum() / valid.sum()
+    elif reduction == "sum":
+        rows = rows.sum()
+    return rows.to(torch.promote_types(student_hidden.dtype, torch.float32))

@@ -23,3 +23,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     tol = REL_TOL[dtype] * scale
     max_abs = (out.double().cpu() - ref.double().cpu()).abs().max().item() if out.numel() else 0.0
     assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e} (max abs {max_abs:.3e})"
+
+
+def cuda_peak_bytes(run, leaves=()) -> int:
+    """Peak bytes that ``run()`` allocates above what was allocated before it, measured on a
+    second call (the first compiles kernels and sets up cuBLAS's workspace); the gradients of
+    ``leaves`` are cleared in between."""
+    run()
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base

@@ -132,7 +132,7 @@ def test_a_wrong_or_unwritten_output_fails_and_is_not_timed(monkeypatch, device)
 
 def _cli_flags(device):
     # On a GPU the CLI times; keep it tiny there too. Without one it uses each op's small shapes.
-    return ["--n", "512", "--m", "64", "--no-decode"] if device == "cuda" else []
+    return ["--n", "512", "--m", "64", "--no-decode", "--no-eager"] if device == "cuda" else []
 
 
 def test_cli_end_to_end(tmp_path, capsys, device):
@@ -211,7 +211,7 @@ def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
     op = dataclasses.replace(base, decode_shapes=({"M": 8, "N": 4096}, {"M": 16, "N": 4096}),
                              providers={"torch": base.providers["torch"], "syncs": Provider(lambda: syncing)})
     runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16, modes=["fwd"],
-                             providers=["torch", "syncs"]), torch.device(device), log=print)
+                             providers=["torch", "syncs"], eager=False), torch.device(device), log=print)
     runner.selected_ops = lambda: [op]
     records = runner.run()
     bandwidth = {r["provider"]: r for r in records if r["kind"] == "bandwidth"}
@@ -255,7 +255,7 @@ def test_decode_is_timed_plain_and_in_a_cuda_graph(device):
         pytest.skip("timing needs a GPU")
     op = dataclasses.replace(ops()["rmsnorm"], decode_shapes=({"M": 8, "N": 4096},))
     runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[512], rows=16,
-                             providers=["llmkernels", "torch"]), torch.device(device), log=print)
+                             providers=["llmkernels", "torch"], eager=False), torch.device(device), log=print)
     runner.selected_ops = lambda: [op]
     records = [r for r in runner.run() if r["kind"] != "bandwidth"]
     kinds = {(r["kind"], r["provider"], r["mode"]): r for r in records}
@@ -264,3 +264,39 @@ def test_decode_is_timed_plain_and_in_a_cuda_graph(device):
     assert all(r["status"] == "ok" and r["us"] > 0 for r in records), [(r["kind"], r["note"]) for r in records]
     assert any(title.startswith("rmsnorm fwd bf16 decode — µs per call replayed from a CUDA graph")
                for title, *_ in report.tables(records))
+
+
+def test_a_training_micro_batch_is_timed_as_plain_calls(monkeypatch, device):
+    """Every op declares a training micro-batch (M = 4096) that a timing run times as µs per plain
+    call, fwd and fwd+bwd, beside its other cases; its records get speedups and a table of their
+    own. (On CPU the timer is the host clock and the shape tiny: the path, not the figures.)"""
+    from llmkernels.bench import runner as runner_mod
+    registered = ops()
+    for op in registered.values():
+        assert [shape.get("M") for shape in op.eager_shapes] == [4096], op.name
+    op = dataclasses.replace(registered["rmsnorm"], eager_shapes=({"M": 8, "N": 64},))
+    runner = Runner(Settings(ops=["rmsnorm"], dtypes=["bf16"], sizes=[64], rows=8, providers=["llmkernels", "torch"],
+                             decode=False), torch.device(device), log=print)
+    runner.selected_ops = lambda: [op]
+    runner.timing, runner.copy_gbps = True, 1000.0
+    assert runner.cases(op)[-1] == ("eager", {"M": 8, "N": 64})
+    timed = []
+
+    def host_clock(fn, calls=runner_mod.DECODE_CALLS, repeats=runner_mod.DECODE_REPEATS):
+        timed.append((calls, repeats))
+        fn()
+        return 0.05
+    monkeypatch.setattr(runner_mod, "_latency_ms", host_clock)
+    for provider in ("llmkernels", "torch"):
+        runner._run_provider(runner_mod.Case(op, {"M": 8, "N": 64}, torch.bfloat16, torch.device(device), grads=True),
+                             "eager", provider, "rmsnorm eager")
+    records = runner.records
+    assert [(r["kind"], r["provider"], r["mode"], r["status"]) for r in records] == [
+        ("eager", p, m, "ok") for p in ("llmkernels", "torch") for m in ("fwd", "fwd+bwd")]
+    assert all(r["us"] == 50.0 for r in records)
+    assert timed == [(runner_mod.EAGER_CALLS, runner_mod.EAGER_REPEATS)] * 4
+    report.add_speedups(records)
+    assert records[0]["speedup_vs_best_peer"] == 1.0 and records[0]["best_peer"] == "torch"
+    titles = [title for title, *_ in report.tables(records)]
+    assert titles == [f"rmsnorm {m} bf16 eager — µs per plain call at a training micro-batch (rel err); copy 1000 GB/s"
+                      for m in ("fwd", "fwd+bwd")]

@@ -15,7 +15,7 @@ from llmkernels.ops import cross_entropy as ce_ops
 from llmkernels.ops import linear_cross_entropy as lce_ops
 from tests.conftest import DEVICE
 from llmkernels.bench.runner import poisoned
-from tests.helpers import assert_close
+from tests.helpers import assert_close, cuda_peak_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The interpreter evaluates masked-out lanes too (log(0) of padding rows): numpy warns.
@@ -300,6 +300,7 @@ def check_lce(m, h, v, dtype, device, *, bias=True, reduction="mean", chunk_size
     out = lk.linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction, chunk_size=chunk_size,
                                   return_lse=True, **opts)
     opts.pop("accum_dtype", None)
+    opts.pop("memory", None)
     ref_loss, _, ref_lse = reference.linear_cross_entropy(*refs[:2], target, refs[2], reduction=reduction,
                                                           compute_dtype=torch.float64, **opts)
     # The kernels round the logits to the input dtype before the loss (as the unfused path does).
@@ -394,6 +395,43 @@ def test_linear_backward_twice_raises(device):
 
 
 # --------------------------------------------------------------------------------------------
+# linear_cross_entropy(memory="low"): hidden gradient over row chunks, weight gradient over
+# vocabulary chunks (chunk_size 5 of 17 rows: 4 row chunks and 4 column chunks of V = 1100)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_low_memory_matches_reference(dtype, reduction, device):
+    check_lce(17, 48, 1100, dtype, device, reduction=reduction, memory="low")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_low_memory_options_and_partial_grads(reduction, device):
+    check_lce(9, 32, 1100, torch.float32, device, chunk_size=4, reduction=reduction, memory="low", **OPTIONS["all"])
+    check_lce(17, 32, 700, torch.float32, device, reduction=reduction, memory="low", needs=(True, False, False))
+    check_lce(17, 32, 700, torch.bfloat16, device, reduction=reduction, memory="low", needs=(False, True, True),
+              chunk_size=None)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        lk.linear_cross_entropy(torch.randn(3, 8, device=device), torch.randn(10, 8, device=device),
+                                torch.zeros(3, dtype=torch.long, device=device), memory="small")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocator statistics need CUDA")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_low_memory_peak(reduction):
+    """memory="low": forward + backward hold the gradients and one chunk of logits (no [V, H]
+    fp32 accumulator, no second chunk)."""
+    m, h, v, chunk = 256, 64, 50000, 16
+    hidden = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (m,), device="cuda")
+    peak = cuda_peak_bytes(lambda: lk.linear_cross_entropy(hidden, weight, target, chunk_size=chunk, memory="low",
+                                                           reduction=reduction).sum().backward(), (hidden, weight))
+    grads, block = (m + v) * h * 2, chunk * v * 2
+    assert block < v * h * 4  # an fp32 accumulator would exceed the bound
+    assert peak <= grads + block + 2**20, f"peak {peak} B"
+
+
+# --------------------------------------------------------------------------------------------
 # torch.compile (custom ops, classic backward)
 # --------------------------------------------------------------------------------------------
 BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
@@ -441,3 +479,26 @@ def test_opcheck(device):
     torch.library.opcheck(lce_ops.LCE.op, (h, w, torch.randint(0, 20, (6,), device=device), None, -100, "sum",
                                                 0.0, 0.0, 3.0, False, True, 4, torch.float32, [True, True, False]))
 
+
+
+def test_target_check_falls_back_to_a_device_word(monkeypatch):
+    """On a GPU the check kernel writes a pinned host word directly; where Triton refuses host
+    memory (ValueError), it writes a device word copied back instead, from then on. (On CPU the
+    words are plain tensors and the kernel a fake writing row 3 as the first bad one.)"""
+    host = torch.zeros(1, dtype=torch.int64)
+    monkeypatch.setattr(ce_ops._FLAG, "word", lambda pinned: host)
+    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
+    seen = []
+
+    def check(grid, target, word, m, v, ignore_index):
+        seen.append(word is host)
+        if word is host and len(seen) == 1:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        word.fill_(4)
+
+    target = torch.tensor([1, 2, 3, 99])
+    for _ in range(2):
+        assert ce_ops._check_to_host(check, target, 10, -100).item() == 4
+    assert seen == [True, False, False] and not ce_ops.MAPPED_FLAG
+    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
+    assert ce_ops._check_to_host(check, target, 10, -100) is host

@@ -1,6 +1,10 @@
-"""DDP and FSDP2 training of a patched model, and a sequence-parallel DTensor RMSNorm, on 2 CPU
-processes with gloo (benchmarks/distributed_train.py --check): same losses as one process."""
+"""DDP and FSDP2 training of a patched model, the FSDP2 path of the end-to-end benchmark, and a
+sequence-parallel DTensor RMSNorm, on 2 CPU processes with gloo (benchmarks/distributed_train.py
+--check): same losses, parameters and gradients as one process. The benchmark's --compare (scaling
+efficiency, loss agreement) on made-up results."""
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -8,15 +12,53 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "distributed_train.py")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+SCRIPT = os.path.join(ROOT, "benchmarks", "distributed_train.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs use torchrun on the multi-GPU machine")
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-def test_ddp_fsdp2_and_sequence_parallel_norm_match_one_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+def test_ddp_fsdp2_e2e_and_sequence_parallel_norm_match_one_process():
+    # PYTHONPATH: the scripts import this checkout's llmkernels, whichever one is installed
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, SCRIPT, "--check", "--steps", "3", "--seq", "16"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 3, proc.stdout
+    for check in ("ddp losses", "ddp params", "ddp grads", "fsdp2 losses", "fsdp2 params", "fsdp2 grads",
+                  "e2e fsdp2 losses", "sp_norm"):
+        assert re.search(rf"^ *{check}: max rel diff .* ok$", proc.stdout, re.M), proc.stdout
+
+
+def _e2e_train():
+    spec = importlib.util.spec_from_file_location("e2e_train", os.path.join(ROOT, "benchmarks", "e2e_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(world, batch, tokens_per_s, losses, device="GPU X"):
+    shape = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512, "seq": 16,
+             "batch": batch, "warmup": 1, "steps": 2, "dtype": "bf16"}
+    entry = {"provider": "hf", "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
+             "rows_per_gpu": batch // world, "peak_mem_gib": 8.0 / world, "losses": losses}
+    return {"shape": shape, "environment": {"device": device, "world_size": world}, "providers": [entry]}
+
+
+def test_e2e_compare_scaling_efficiency_and_loss_agreement():
+    compare = _e2e_train().compare
+    one = _run(1, 8, 1000.0, [5.0, 4.9, 4.8])
+    rows = {(r["world_size"], r["batch"], r["device"]): r for r in compare([
+        _run(1, 8, 3000.0, [5.0, 4.8, 4.7], device="GPU Y"),   # another device: never the baseline of X
+        one,
+        _run(2, 8, 1800.0, [5.0, 4.901, 4.799]),   # same global batch: strong scaling, losses compared
+        _run(2, 16, 1900.0, [5.1, 5.0, 4.9]),      # 8 rows per GPU as at K = 1: weak scaling, speed only
+    ], loss_tol=5e-3)["rows"]}
+    rows = {key[:2]: r for key, r in rows.items() if key[2] == "GPU X"}
+    assert rows[2, 8]["scaling"] == "strong" and rows[2, 8]["efficiency"] == pytest.approx(0.9)
+    assert rows[2, 8]["max_abs_dloss_vs_1"] == pytest.approx(1e-3) and rows[2, 8]["losses_agree"]
+    assert rows[2, 16]["scaling"] == "weak" and rows[2, 16]["efficiency"] == pytest.approx(0.95)
+    assert "losses_agree" not in rows[2, 16]
+    bad = compare([one, _run(4, 8, 3600.0, [5.0, 4.91, 4.8])], loss_tol=5e-3)
+    assert not bad["passed"] and bad["rows"][1]["max_abs_dloss_vs_1"] == pytest.approx(0.01)

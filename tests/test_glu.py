@@ -165,13 +165,16 @@ def _glu_linear_leaves(dtype, bias: bool, i=48, o=24):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_glu_linear_against_float64(activation, dtype, bias):
+@pytest.mark.parametrize("separate", [False, True])
+def test_glu_linear_against_float64(activation, dtype, bias, separate):
     """glu_linear = F.linear(glu(gate, up), weight, bias): output and the gradients of the fused
-    gate_up, the weight and the bias against float64, for a random upstream gradient."""
+    gate_up, the weight and the bias against float64, for a random upstream gradient. ``separate``:
+    gate and up as two contiguous [2, 5, I] tensors (separate projections), not strided halves."""
     gate_up, weight, b = _glu_linear_leaves(dtype, bias)
     leaves = [t for t in (gate_up, weight, b) if t is not None]
+    halves = [h.contiguous() if separate else h for h in gate_up.chunk(2, dim=-1)]
     with poisoned():
-        out = llmkernels.glu_linear(*gate_up.chunk(2, dim=-1), weight, b, activation)
+        out = llmkernels.glu_linear(*halves, weight, b, activation)
     assert out.shape == (2, 5, weight.shape[0]) and out.dtype == dtype
     leaves64 = [t.detach().to(F64).requires_grad_() for t in leaves]
     gu64, w64, b64 = leaves64 + [None] * (3 - len(leaves64))

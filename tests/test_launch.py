@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from llmkernels.ops import _launch
+from llmkernels.ops import _launch, _register
 
 
 class FakeCompiled:
@@ -51,7 +51,7 @@ def gpu_launch(monkeypatch):
     monkeypatch.setattr(_launch, "_current_stream", lambda device: 7)
     monkeypatch.setattr(_launch, "knobs", types.SimpleNamespace(
         runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     kernel = FakeKernel()
     return kernel, _launch.Launcher(kernel, {"num_warps": 4, "BLOCK": 64})
 
@@ -115,7 +115,7 @@ def test_cached_launch_keys_the_device_and_other_argument_kinds(gpu_launch, monk
     kernel, launcher = gpu_launch
     x = torch.zeros(64)
     launcher((1,), x, 64, 1.0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 1)
     launcher((1,), x, 64, 1.0)  # another device: compiled again
     launcher((1,), None, 64, 1.0)  # an argument of another kind than first seen: Triton decides
     launcher((1,), None, 64, 1.0)
@@ -165,6 +165,79 @@ def test_launcher_is_made_once_per_options():
     assert _launch.launcher(kernel, num_warps=8, BLOCK=64) is not _launch.launcher(kernel, num_warps=4, BLOCK=64)
 
 
+def test_launches_are_looked_up_by_value_first(gpu_launch, monkeypatch):
+    """Arguments seen before skip the fingerprint; the look-ups by value are bounded, and
+    arguments of other kinds (None for a tensor) are never kept by value."""
+    kernel, launcher = gpu_launch
+    x = torch.zeros(64)
+    launcher((1,), x, 100, 0.5)
+    fingerprint = launcher._fingerprint
+    monkeypatch.setattr(launcher, "_fingerprint", lambda *args: pytest.fail("fingerprint of values seen before"))
+    launcher((2,), x, 100, 0.5)
+    monkeypatch.setattr(launcher, "_fingerprint", fingerprint)
+    monkeypatch.setattr(_launch, "VALUES_KEPT", 3)
+    for n in (3, 5, 7, 9):  # one class: direct, each kept by value until the bound drops them all (at 7)
+        launcher((1,), x, n, 0.5)
+    assert sorted(key[4] for key in launcher._by_values) == [7, 9]
+    launcher((1,), None, 100, 0.5)
+    launcher((1,), None, 100, 0.5)
+    assert all(key[1] is not None.__class__ for key in launcher._by_values)
+    assert kinds(kernel) == ["triton", "direct", "direct", "direct", "direct", "direct", "triton", "direct"]
+
+
+def test_plans_are_made_once_per_key_and_bounded():
+    made = []
+    plans = _launch.Plans(lambda *key: made.append(key) or len(made), limit=2)
+    assert plans[1, "a"] == 1 and plans[1, "a"] == 1 and plans[7] == 2  # (a key that is not a tuple: make(key))
+    assert made == [(1, "a"), (7,)]
+    assert plans[2, "b"] == 3 and len(plans) == 1  # full: the earlier plans were dropped
+
+
+class _Scale:
+    """An eager-only Op (no custom op): y = 2 x, its backward 2 dy."""
+
+    @staticmethod
+    def op(once_differentiable=False):
+        return _register.Op(
+            "test_scale", forward=lambda x, bias: 2 * x + (0 if bias is None else bias),
+            setup=lambda ctx, inputs, output: None, backward=lambda ctx, bwd, dy: (2 * dy,),
+            grad_inputs=(0,), base=lambda x, bias: 2 * x, once_differentiable=once_differentiable)
+
+
+def test_autograd_goes_straight_to_the_cpp_apply(monkeypatch):
+    """Outside functorch transforms the Op calls autograd's C++ apply (a builtin), skipping the
+    Python ``Function.apply``; inside one, or where torch has no such entry points, it takes
+    ``Function.apply``. The gradients are the same either way."""
+    op = _Scale.op()
+    assert isinstance(op._c_apply, types.BuiltinMethodType)
+    public = []
+    monkeypatch.setattr(op.function, "apply", lambda *args: public.append(1) or op._c_apply(*args))
+    x = torch.randn(5, requires_grad=True)
+    for active in (False, True):
+        monkeypatch.setattr(_register, "_functorch_active", lambda: active)
+        y = op(x, None)
+        assert y.grad_fn.name() == "TestScaleBackward"
+        (dx,) = torch.autograd.grad(y, x, torch.ones(5))
+        assert torch.equal(dx, torch.full((5,), 2.0))
+    assert public == [1]
+    monkeypatch.setattr(_register, "_functorch_active", None)
+    assert _register._c_apply(op.function) is None
+
+
+def test_once_differentiable_backward_refuses_a_second_differentiation():
+    """The backward of a once-differentiable Op skips torch's no_grad wrapper unless a graph of
+    the backward is recorded; then its outputs refuse a second differentiation, as before."""
+    op = _Scale.op(once_differentiable=True)
+    x = torch.randn(4, requires_grad=True)
+    (dx,) = torch.autograd.grad(op(x, None).sum(), x)
+    assert torch.equal(dx, torch.full((4,), 2.0)) and dx.grad_fn is None
+    g = torch.ones(4, requires_grad=True)
+    (dx,) = torch.autograd.grad(op(x, None), x, g, create_graph=True)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+
+
 WITHOUT_TRITON = """
 import importlib.abc, sys, warnings
 
@@ -179,7 +252,7 @@ with warnings.catch_warnings(record=True) as caught:
     import torch
     import llmkernels as lk
     from llmkernels import reference
-    from llmkernels.ops import _launch
+    from llmkernels.ops import _launch, _register
 ours = [w for w in caught if "llmkernels" in str(w.message)]
 assert len(ours) == 1 and ours[0].category is UserWarning, [str(w.message) for w in caught]
 assert "Triton is not installed" in str(ours[0].message) and "plain PyTorch" in str(ours[0].message)

@@ -3,7 +3,8 @@
 For every op, shape, dtype and mode (fwd, bwd, fwd+bwd) it checks each provider's outputs and
 gradients against the op's float64 reference, then times it: GB/s from the op's minimum bytes,
 % of the device-to-device copy bandwidth measured first in the same process, and the speedup of
-llmkernels over the best peer. Decode shapes (M <= 256) are reported as latency in µs.
+llmkernels over the best peer. Decode shapes (M <= 256) are reported as latency in µs, and a
+training micro-batch (M = 4096) as µs per plain call (eager).
 Each run writes a new folder (default ``./llmkernels-bench/<device>-<date>-<time>/``, or
 ``--out``; never one that already holds results) with ``results.json``, ``results.md`` and one
 PNG per op x mode x dtype, and ends with one summary line. Without a GPU it says so and runs
@@ -62,7 +63,8 @@ METHOD = (
     "call in a loop of back-to-back calls (CUDA events, median of 10 loops of 100 calls), so Python, "
     "autograd and launch overhead count as an eager user sees them (they depend on the host CPU); and µs "
     "per call of 20 calls captured in one CUDA graph (median of 10 replays): the GPU time alone, as a "
-    "graph-captured decode step pays it. "
+    "graph-captured decode step pays it. Eager: a training micro-batch (M = 4096) timed as plain calls, fwd and "
+    "fwd+bwd (median of 5 loops of 20 calls): host and GPU as an eager training step pays them. "
     "llmkernels vs best peer: the fastest other provider's time over llmkernels' time.")
 
 
@@ -95,6 +97,9 @@ def _parser(registry: dict) -> argparse.ArgumentParser:
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="also time decode sizes (M in 1..256, N=4096) as µs per call: plain calls and in a CUDA "
                         "graph (default: on)")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a training micro-batch (M=4096) as µs per plain call, fwd and fwd+bwd "
+                        "(default: on)")
     p.add_argument("--quick", action="store_true", help="fewer sizes (3 N, 3 decode M)")
     p.add_argument("--out", metavar="DIR",
                    help="output folder, which must not hold an earlier run "
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
     settings = Settings(ops=args.op, dtypes=args.dtype, sizes=args.n, rows=args.m, modes=tuple(args.mode),
-                        providers=args.providers, decode=args.decode, quick=args.quick)
+                        providers=args.providers, decode=args.decode, eager=args.eager, quick=args.quick)
     device = torch.device("cuda" if gpu else "cpu")
     runner = Runner(settings, device, log=print)
     out = args.out or _new_out_dir(runner.env["device"] if gpu else "cpu-interpreter")

@@ -36,6 +36,7 @@ DEFAULT_SIZES = (32000, 128256, 262144)
 QUICK_SIZES = (32000, 128256)
 DECODE_SHAPES = tuple({"M": m, "V": 128256} for m in (1, 32, 256))
 SMALL_SHAPES = ({"M": 3, "V": 1000}, {"M": 5, "V": 9000})
+EAGER_SHAPES = ({"M": 4096, "V": 32000},)
 
 
 LOGITS = 2**30  # logits per case by default: 2 GiB in bf16, what the float64 check can hold
@@ -73,7 +74,7 @@ def _liger_factory():
 
 register(Op(
     name="cross_entropy", axis="V", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_inputs, grad_inputs=("logits",), outputs=("loss",),
     reference=lambda logits, target: reference.cross_entropy(logits, target, compute_dtype=torch.float64)[0],
     min_bytes=_min_bytes, is_loss=True,

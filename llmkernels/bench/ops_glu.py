@@ -26,6 +26,7 @@ DEFAULT_SIZES = (4096, 8192, 14336, 28672)
 QUICK_SIZES = (4096, 14336)
 DECODE_SHAPES = tuple({"M": m, "I": 14336} for m in (1, 8, 32, 128, 256))
 SMALL_SHAPES = ({"M": 4, "I": 256}, {"M": 3, "I": 1000})
+EAGER_SHAPES = ({"M": 4096, "I": 14336},)
 
 
 def _shape(i: int, rows):
@@ -56,7 +57,7 @@ for _name, _activation, _liger_name in (("swiglu", "silu", ("swiglu", "LigerSiLU
                                         ("geglu", "gelu_tanh", ("geglu", "LigerGELUMulFunction"))):
     register(Op(
         name=_name, axis="I", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-        decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+        decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
         make_inputs=_inputs, grad_inputs=("gate", "up"), outputs=("y",),
         reference=functools.partial(reference.glu, activation=_activation, compute_dtype=torch.float64),
         min_bytes=_min_bytes,

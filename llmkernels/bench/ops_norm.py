@@ -36,6 +36,7 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_SIZES = (1024, 8192, 65536)
 DECODE_SHAPES = tuple({"M": m, "N": 4096} for m in (1, 8, 32, 128, 256))
 SMALL_SHAPES = ({"M": 4, "N": 256}, {"M": 3, "N": 1000})
+EAGER_SHAPES = ({"M": 4096, "N": 4096},)
 
 
 def _shape(n: int, rows):
@@ -103,7 +104,7 @@ def _quack_rms_factory():
 
 register(Op(
     name="rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_rms_inputs, grad_inputs=("x", "weight"), outputs=("y",),
     reference=lambda x, weight: reference.rms_norm(x, weight, eps=RMS_EPS, compute_dtype=torch.float64),
     min_bytes=_bytes(fwd=(2, 1), bwd=(3, 2)),
@@ -140,7 +141,7 @@ def _liger_ln_factory():
 
 register(Op(
     name="layernorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_ln_inputs, grad_inputs=("x", "weight", "bias"), outputs=("y",),
     reference=lambda x, weight, bias: reference.layer_norm(x, weight, bias, eps=LN_EPS,
                                                            compute_dtype=torch.float64),
@@ -195,7 +196,7 @@ def _quack_add_rms_factory():
 
 register(Op(
     name="add_rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+    decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_add_rms_inputs, grad_inputs=("x", "residual", "weight"), outputs=("y", "h"),
     reference=lambda x, residual, weight: reference.rms_norm(
         x, weight, eps=RMS_EPS, residual=residual, prenorm=True, compute_dtype=torch.float64),

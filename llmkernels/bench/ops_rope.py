@@ -25,6 +25,7 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 QUICK_SIZES = (1024, 4096)
 DECODE_SHAPES = tuple({"M": b, "B": b, "Hq": HQ, "Hk": HK, "S": 1, "D": D} for b in (1, 8, 32, 128, 256))
 SMALL_SHAPES = ({"B": 2, "Hq": 4, "Hk": 2, "S": 8, "D": 64}, {"B": 1, "Hq": 3, "Hk": 1, "S": 5, "D": 96})
+EAGER_SHAPES = ({"M": 4096, "B": 1, "Hq": HQ, "Hk": HK, "S": 4096, "D": D},)
 
 
 def _shape(s: int, rows):
@@ -76,7 +77,7 @@ for _name, _layout in (("rope", "bhsd"), ("rope_bshd", "bshd")):
         _providers["liger"] = Provider(_liger, gpu_only=True)
     register(Op(
         name=_name, axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
-        decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES,
+        decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
         make_inputs=_inputs(_layout), grad_inputs=("q", "k"), outputs=("q_out", "k_out"),
         reference=functools.partial(reference.apply_rope, layout=_layout, compute_dtype=torch.float64),
         min_bytes=_min_bytes, providers=_providers,

@@ -84,6 +84,8 @@ class Op:
         is ``--m`` (None: the op's default: each tensor about 256 MiB in bf16, cross_entropy 2^30 logits).
     decode_shapes: small shapes timed as latency (µs); small_shapes: tiny shapes of the
         correctness-only run on a machine without a GPU.
+    eager_shapes: a training micro-batch (M = 4096 rows at the width of the decode shapes),
+        timed as µs per plain call (forward and forward + backward, as an eager user calls it).
     make_inputs: ``(shape, dtype, device) -> dict`` of input tensors, passed to providers as
         keyword arguments (random, never zeros).
     grad_inputs: names of the inputs that receive gradients in the bwd modes.
@@ -115,6 +117,7 @@ class Op:
     reference: Callable[..., Outputs]
     min_bytes: Callable[[dict, torch.dtype, str], int]
     providers: dict = field(default_factory=dict)
+    eager_shapes: tuple = ()
     is_loss: bool = False
     inputs_from_graph: bool = False
 

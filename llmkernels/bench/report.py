@@ -80,7 +80,7 @@ def _cell(r: dict) -> str:
         return status
     if r["kind"] == "check":
         return f"ok (err {_err(r)})"
-    if r["kind"] in ("decode", "decode_graph"):
+    if r["kind"] in ("decode", "decode_graph", "eager"):
         return f"{r['us']:.1f} (err {_err(r)})"
     return f"{r['gbps']:.0f} ({r['pct_copy']:.0f}%, err {_err(r)})"
 
@@ -101,12 +101,14 @@ def tables(records: list) -> list:
         providers = list(dict.fromkeys(r["provider"] for r in group))
         shapes = sorted({tuple(r["shape"].items()) for r in group}, key=lambda s: [v for _, v in s])
         by = {(tuple(r["shape"].items()), r["provider"]): r for r in group}
-        sweep = "M" if kind.startswith("decode") else group[0]["axis"]
+        sweep = "M" if kind.startswith("decode") or kind == "eager" else group[0]["axis"]
         unit = {"bandwidth": "GB/s (% of copy, rel err)", "decode": "µs per plain call (rel err)",
                 "decode_graph": "µs per call replayed from a CUDA graph (rel err)",
+                "eager": "µs per plain call at a training micro-batch (rel err)",
                 "check": "float64 check (rel err)"}[kind]
         copies = sorted({round(r["copy_gbps"]) for r in group if r.get("copy_gbps")})
-        title = f"{op} {mode} {dtype}" + (" decode" if kind.startswith("decode") else "") + f" — {unit}"
+        title = f"{op} {mode} {dtype}" + {"decode": " decode", "decode_graph": " decode", "eager": " eager"}.get(
+            kind, "") + f" — {unit}"
         if copies:
             title += f"; copy {'/'.join(map(str, copies))} GB/s"
         headers = ["shape" if kind == "check" else sweep] + providers

@@ -12,6 +12,11 @@ decode step captured in a CUDA graph pays it (vLLM, SGLang, ``torch.compile(mode
 ``GRAPH_CALLS`` calls captured in one graph, replayed, median of ``DECODE_REPEATS`` replays.
 ``do_bench`` suits neither: the CPU launches the call while the GPU still flushes L2, so it
 reports neither the GPU time nor the user's latency.
+
+Eager cases (``Op.eager_shapes``: a training micro-batch, M = 4096) are timed as the decode
+ones' plain calls, forward and forward + backward (shorter loops: ``EAGER_CALLS``): what an
+eager training step pays per call, host and GPU, beside the GPU time alone of the bandwidth
+cases.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 WARMUP_MS, REP_MS = 10, 50
 DECODE_CALLS, DECODE_REPEATS = 100, 10
+EAGER_CALLS, EAGER_REPEATS = 20, 5
+EAGER_MODES = ("fwd", "fwd+bwd")
 GRAPH_CALLS = 20
 COPY_BYTES = 2**28
 
@@ -49,6 +56,7 @@ class Settings:
     modes: tuple = MODES
     providers: Optional[list] = None  # None: all
     decode: bool = True
+    eager: bool = True
     quick: bool = False
 
 
@@ -73,18 +81,19 @@ def _bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
 
 
-def _latency_ms(fn) -> float:
-    """Per-call time of back-to-back plain calls (Python and launch overhead included)."""
+def _latency_ms(fn, calls: int = DECODE_CALLS, repeats: int = DECODE_REPEATS) -> float:
+    """Per-call time of back-to-back plain calls (Python and launch overhead included): the
+    median of ``repeats`` loops of ``calls`` calls, after one loop of warm-up."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for i in range(DECODE_REPEATS + 1):
+    for i in range(repeats + 1):
         start.record()
-        for _ in range(DECODE_CALLS):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
         if i:  # the first loop warms up
-            times.append(start.elapsed_time(end) / DECODE_CALLS)
+            times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
@@ -329,6 +338,8 @@ class Runner:
         if s.decode:
             decode = op.decode_shapes[::2] if s.quick else op.decode_shapes
             cases += [("decode", shape) for shape in decode]
+        if s.eager:
+            cases += [("eager", shape) for shape in op.eager_shapes]
         return cases
 
     def total(self) -> int:
@@ -389,6 +400,8 @@ class Runner:
                 continue
             if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:
                 continue  # without timing, fwd+bwd would repeat the bwd check
+            if kind == "eager" and mode not in EAGER_MODES:
+                continue
             grads = mode != "fwd"
             record = self._record(case, kind, name, mode)
             try:
@@ -403,9 +416,10 @@ class Runner:
                     self.log(f"FAILED check: {name} {mode} {label}: {worst} rel err {errors[worst]:.2e} "
                              f"> {TOL[case.dtype]:.0e}; not timed")
                 elif self.timing:
-                    if kind == "decode":
+                    if kind in ("decode", "eager"):
                         timed = case.timed(fn, mode, provider.mutates)
-                        self._timed(record, _latency_ms(timed))
+                        self._timed(record, _latency_ms(timed) if kind == "decode" else
+                                    _latency_ms(timed, EAGER_CALLS, EAGER_REPEATS))
                         del timed
                     else:
                         self._timed(record, self._bandwidth_ms(case, fn, mode, provider.mutates, record, label))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from typing import Optional
 
 import torch
 
@@ -144,29 +145,54 @@ def row_stride(t: torch.Tensor | None) -> int:
 # for each int argument whether it is 1, whether it is a multiple of 16, and whether it fits 32
 # bits (else 64, else unsigned 64); floats and bools are not specialised. A fingerprint is that
 # list for one call; ``_fingerprint`` writes it as one tuple expression (what a loop over the
-# arguments computes in twice the time), generated once per sequence of argument kinds.
+# arguments computes in twice the time), generated once per sequence of argument kinds. Computing
+# it costs more than the rest of a launch, so a Launcher first looks its arguments up as they
+# are (``_values``: each number's class and value, each tensor's dtype and alignment), which
+# determine the fingerprint; a fingerprint is computed only for values not seen before.
 _FINGERPRINTS: dict = {}
+_VALUES: dict = {}
+VALUES_KEPT = 256  # a Launcher's look-ups by value (all dropped when full: a run's sizes are few)
 
 
-def _fingerprint(args):
+def _kinds(args) -> tuple:
+    return tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float else "number"
+                 for a in args)
+
+
+def _generated(name: str, kinds: tuple, term) -> object:
+    """``def name(device, a0, a1, ...): return (device, *terms)``, ``term(a, kind)`` the
+    expression of each argument."""
+    names = [f"a{i}" for i in range(len(kinds))]
+    namespace: dict = {}
+    exec(f"def {name}(device, {', '.join(names)}):\n    return (device, {', '.join(map(term, names, kinds))})\n",
+         namespace)
+    return namespace[name]
+
+
+def _fingerprint(args, kinds: Optional[tuple] = None):
     """The function ``(device, *args) -> key`` for arguments of the kinds of ``args`` (tensor
     or number at each position; a kernel's signature fixes them). A number's key holds its class
     too, so an int, a bool and a float never share one. It raises (AttributeError, TypeError)
     for a tensor where it expects a number or the reverse, and ``_generic_key`` takes over."""
-    kinds = tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float else "number"
-                  for a in args)
+    kinds = kinds or _kinds(args)
     fingerprint = _FINGERPRINTS.get(kinds)
     if fingerprint is None:
-        names = [f"a{i}" for i in range(len(args))]
         number = "({a}.__class__, {a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF)"
-        terms = [f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else
-                 # (a float is not specialised: its class is its key, and a number of another class its own)
-                 f"{a}.__class__ is float or {number.format(a=a)}" if kind == "float" else number.format(a=a)
-                 for a, kind in zip(names, kinds)]
-        namespace: dict = {}
-        exec(f"def fingerprint(device, {', '.join(names)}):\n    return (device, {', '.join(terms)})\n", namespace)
-        fingerprint = _FINGERPRINTS[kinds] = namespace["fingerprint"]
+        fingerprint = _FINGERPRINTS[kinds] = _generated("fingerprint", kinds, lambda a, kind: (
+            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else
+            # (a float is not specialised: its class is its key, and a number of another class its own)
+            f"{a}.__class__ is float or {number.format(a=a)}" if kind == "float" else number.format(a=a)))
     return fingerprint
+
+
+def _values(kinds: tuple):
+    """The function ``(device, *args) -> key`` of arguments of ``kinds`` as they are: each
+    tensor's dtype and alignment, each number's class and value."""
+    values = _VALUES.get(kinds)
+    if values is None:
+        values = _VALUES[kinds] = _generated("values", kinds, lambda a, kind: (
+            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a}.__class__, {a}"))
+    return values
 
 
 def _arg_key(a):
@@ -186,14 +212,21 @@ def _stream_handle(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-# torch's raw-stream query skips building a Stream object; it is not public API, so guarded.
+def _device_index() -> int:
+    return torch.cuda.current_device()
+
+
+# torch's raw-stream and device queries skip building a Stream object and the Python checks of
+# ``torch.cuda.current_device`` (CUDA is initialised by then: the arguments are CUDA tensors);
+# they are not public API, so guarded.
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or _device_index
 _PUBLIC = object()  # a key whose compiled kernel is launched through ``kernel[grid]`` (no direct handle)
 
 
 # Whether compiled kernels are launched through their own launcher (Triton >= 3.4, where it takes
 # the hooks of ``triton.knobs``; older versions go through ``kernel[grid]``). A launcher whose
-# signature differs at run time turns it off (``Launcher._run``).
+# signature differs at run time turns it off (``Launcher._refused``).
 direct = knobs is not None and hasattr(getattr(knobs, "runtime", None), "launch_enter_hook")
 
 
@@ -201,7 +234,8 @@ def _hooked() -> bool:
     """Whether a launch hook of ``triton.knobs`` is set (a profiler's): those launches go
     through Triton, which calls the hooks with the launch's metadata. (From Triton 3.5 a hook
     is a HookChain, always set, that calls nothing while empty.)"""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     return (enter is not None and bool(getattr(enter, "calls", True))) or (
         leave is not None and bool(getattr(leave, "calls", True)))
 
@@ -213,35 +247,57 @@ class Launcher:
     interpreter it is the plain Triton call. Resolve one once per configuration and keep it to
     skip even the lookup of :func:`launcher`."""
 
-    __slots__ = ("kernel", "options", "_compiled", "_fingerprint", "_tail")
+    __slots__ = ("kernel", "options", "_compiled", "_fingerprint", "_tail", "_kinds", "_values", "_by_values")
 
     def __init__(self, kernel, options: dict):
         self.kernel, self.options = kernel, options
-        self._compiled: dict = {}
-        self._fingerprint = None
+        self._compiled: dict = {}  # fingerprint -> launch handle (``_handle``)
+        self._by_values: dict = {}  # ``_values`` key -> launch handle
+        self._kinds = self._fingerprint = self._values = None
         self._tail = None
 
     def __call__(self, grid: tuple, *args) -> None:
         if INTERPRET:
             self.kernel[grid](*args, **self.options)
             return
-        device = torch.cuda.current_device()
+        device = _current_device()
         try:
-            key = self._fingerprint(device, *args)
-        except (AttributeError, TypeError):  # first call (no fingerprint yet), or unexpected kinds
-            if self._fingerprint is None:
-                self._fingerprint = _fingerprint(args)
-                key = self._fingerprint(device, *args)
-            else:
-                key = _generic_key(device, args)
-        entry = self._compiled.get(key)
-        if entry is None:
-            compiled = self.kernel[grid](*args, **self.options)  # Triton compiles (or finds) it, and launches
-            self._compiled[key] = self._handle(compiled, len(args))
-        elif entry is _PUBLIC or not direct or _hooked():
+            entry = self._by_values[self._values(device, *args)]
+        except (KeyError, AttributeError, TypeError):  # values not seen (or the first call, or other kinds)
+            entry = self._lookup(grid, device, args)
+            if entry is None:  # Triton has compiled and launched it
+                return
+        if entry is _PUBLIC or not direct or _hooked():
             self.kernel[grid](*args, **self.options)
-        else:
-            self._run(entry, grid, device, args)
+            return
+        run, function, packed = entry
+        try:
+            run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                _current_stream(device), function, packed, None, None, None, *args, *self._tail)
+        except TypeError:
+            self._refused(grid, args)
+
+    def _lookup(self, grid, device, args):
+        """The launch handle of ``args`` by their fingerprint, kept under their values too; or
+        None after Triton has compiled (or found) the kernel for a new fingerprint and launched
+        it."""
+        kinds = _kinds(args)
+        if self._kinds is None:  # the first call fixes the kinds the fast look-ups expect
+            self._kinds, self._fingerprint, self._values = kinds, _fingerprint(args, kinds), _values(kinds)
+        if kinds == self._kinds:
+            key, values = self._fingerprint(device, *args), self._values(device, *args)
+        else:  # (arguments of other kinds, e.g. None for a tensor: looked up by a slower key, kept by it only)
+            key, values = _generic_key(device, args), None
+        entry = self._compiled.get(key)
+        launched = entry is None
+        if launched:
+            compiled = self.kernel[grid](*args, **self.options)  # Triton compiles (or finds) it, and launches
+            entry = self._compiled[key] = self._handle(compiled, len(args))
+        if values is not None:
+            if len(self._by_values) >= VALUES_KEPT:
+                self._by_values.clear()
+            self._by_values[values] = entry
+        return None if launched else entry
 
     def _handle(self, compiled, n_args: int):
         """What a later call needs to launch ``compiled`` itself: its launcher, function handle
@@ -255,17 +311,12 @@ class Launcher:
                                for name in self.kernel.arg_names[n_args:])
         return compiled.run, compiled.function, compiled.packed_metadata
 
-    def _run(self, entry, grid, device, args) -> None:
-        run, function, packed = entry
-        try:
-            run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
-                function, packed, None, None, None, *args, *self._tail)
-        except TypeError:
-            # The launcher's signature differs in this Triton version (it parses its arguments
-            # before anything launches; no hook runs in it): launch through Triton from now on.
-            global direct
-            direct = False
-            self.kernel[grid](*args, **self.options)
+    def _refused(self, grid, args) -> None:
+        """The launcher's signature differs in this Triton version (it parses its arguments
+        before anything launches; no hook runs in it): launch through Triton from now on."""
+        global direct
+        direct = False
+        self.kernel[grid](*args, **self.options)
 
 
 _LAUNCHERS: dict = {}
@@ -274,15 +325,38 @@ _LAUNCHERS: dict = {}
 def launcher(kernel, **options) -> Launcher:
     """The :class:`Launcher` of ``kernel`` with ``options`` (``num_warps=...`` and every
     constexpr by name), made on first use."""
-    key = (kernel, *options, *options.values())  # (the names, then the values: cheaper to hash than pairs)
+    # (the kernel's id: a JIT function hashes in Python; the names, then the values: cheaper to hash
+    # than pairs)
+    key = (id(kernel), *options, *options.values())
     found = _LAUNCHERS.get(key)
     if found is None:
         found = _LAUNCHERS[key] = Launcher(kernel, options)
     return found
 
 
+class Plans(dict):
+    """Launch plans by key: ``plans[key]`` is ``make(*key)`` (``make(key)`` for a key that is not a
+    tuple), made on the first look-up of the key
+    (a dict look-up after that). An op keys its plans on what decides its launch (sizes, dtype,
+    flags) and keeps in a plan what it would otherwise derive on every call: the configuration,
+    the grid, the :class:`Launcher`. At most ``limit`` are kept (all are dropped when full: the
+    sizes of a run are few)."""
+
+    __slots__ = ("make", "limit")
+
+    def __init__(self, make, limit: int = 4096):
+        super().__init__()
+        self.make, self.limit = make, limit
+
+    def __missing__(self, key):
+        if len(self) >= self.limit:
+            self.clear()
+        plan = self[key] = self.make(*key) if type(key) is tuple else self.make(key)
+        return plan
+
+
 def launch(kernel, grid: tuple, *args, **options) -> None:
     """``kernel[grid](*args, **options)`` through the cached :class:`Launcher` of ``options``.
     ``args`` are the kernel's runtime arguments in order; ``options`` name ``num_warps`` (and
     any other launch option) and every remaining parameter."""
-    (_LAUNCHERS.get((kernel, *options, *options.values())) or launcher(kernel, **options))(grid, *args)
+    (_LAUNCHERS.get((id(kernel), *options, *options.values())) or launcher(kernel, **options))(grid, *args)

@@ -24,11 +24,26 @@ Conventions the descriptions follow:
 """
 from __future__ import annotations
 
+import types
 from typing import Callable, Optional, Sequence
 
 import torch
 
 _NAMESPACE = "llmkernels"
+
+# Autograd's C++ apply, which ``Function.apply`` calls last. The Python steps before it act on
+# functorch's transforms (and on Functions with a ``setup_context``, which these are not), so
+# outside a transform the Op calls it directly. Not public API: guarded, ``Function.apply`` the
+# fallback.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _c_apply(function) -> Optional[Callable]:
+    """The C++ apply bound to ``function`` (a Function class), or None where this torch has none."""
+    if _functorch_active is None:
+        return None
+    apply = getattr(super(torch.autograd.Function, function), "apply", None)
+    return apply if isinstance(apply, types.BuiltinMethodType) else None
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -121,6 +136,7 @@ class Op:
         # positions of the mutated arguments, from the schema's names
         self._mutated = tuple(_argument_names(schema).index(m) for m in mutates)
         self.function = self._autograd_function(name, once_differentiable)
+        self._c_apply = _c_apply(self.function)
         self.op = self.backward_op = None
         if schema is None:
             return
@@ -156,11 +172,19 @@ class Op:
             for i in self.grad_inputs:  # (``needs_grad`` inline: every eager call takes this path)
                 t = args[i]
                 if t is not None and t.requires_grad:
-                    return self.function.apply(*args, options)
+                    return self._apply(*args, options)
         if self.op is None:
             return self.base(*args, **options)
         outputs = self.infer(*args, **options)
         return outputs if self.returns is None else outputs[:self.returns]
+
+    def _apply(self, *args_and_options):
+        """``self.function.apply``: straight into autograd's C++ apply where nothing of the
+        Python ``Function.apply`` applies (no functorch transform is active; the Function defines
+        no ``setup_context``), else through it."""
+        if self._c_apply is not None and not _functorch_active():
+            return self._c_apply(*args_and_options)
+        return self.function.apply(*args_and_options)
 
     # ---------------------------------------------------------------------------------------
     # the two backward paths
@@ -178,7 +202,9 @@ class Op:
         launch, setup, backward, once = self.forward, self.setup, self.backward, self.once
         mutated, non_differentiable, returns, grad_inputs = (self._mutated, self.non_differentiable, self.returns,
                                                              self.grad_inputs)
-        spec = self
+        bwd = self.backward_launcher if self.backward_launcher is not None else self
+        # The gradients of the first inputs, then None for the others and the options.
+        leading = grad_inputs == tuple(range(len(grad_inputs)))
 
         def forward(ctx, *args_and_options):
             # The options come last, so that ``ctx.needs_input_grad[i]`` is the i-th input's on
@@ -196,17 +222,28 @@ class Op:
                 ctx.mark_non_differentiable(*[outputs[i] for i in non_differentiable if outputs[i] is not None])
             return outputs if returns is None else outputs[:returns]
 
-        def backward_(ctx, *grad_outputs):
+        def gradients(ctx, *grad_outputs):
             if once is not None:
                 if ctx.consumed:
                     raise RuntimeError(once)
                 ctx.consumed = True
-            grads = backward(ctx, spec.backward_launcher if spec.backward_launcher is not None else spec,
-                             *grad_outputs)
+            grads = backward(ctx, bwd, *grad_outputs)
+            if leading:
+                return (*grads, *(None,) * (len(ctx.needs_input_grad) - len(grads)))
             return _input_grads(grad_inputs, len(ctx.needs_input_grad) - 1, grads) + (None,)
 
+        backward_ = gradients
         if once_differentiable:
-            backward_ = torch.autograd.function.once_differentiable(backward_)
+            # torch's wrapper runs the backward under no_grad and, when a graph of the backward is
+            # being recorded (create_graph=True), makes its outputs raise on a second
+            # differentiation; a plain backward (grad mode off) needs neither.
+            recorded = torch.autograd.function.once_differentiable(gradients)
+
+            def backward_(ctx, *grad_outputs):
+                if torch.is_grad_enabled():
+                    return recorded(ctx, *grad_outputs)
+                return gradients(ctx, *grad_outputs)
+
         # A class of the op's name, for autograd's node names (``<Name>Backward``).
         title = "".join(part.title() for part in name.split("_"))
         return type(title, (torch.autograd.Function,),

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import torch
 
 from .. import reference
-from ._launch import cdiv, check_tensor, launch, next_pow2, persistent_programs, pointer, row_stride, use_kernels
+from ._launch import (Plans, cdiv, check_tensor, launcher, next_pow2, persistent_programs, pointer,
+                      row_stride, use_kernels)
 from ._register import Op
 from ._rowsplit import collect, publish, row_slice, split_grid
 from ._triton import tl, triton
@@ -172,8 +174,9 @@ class CrossEntropyOutput(NamedTuple):
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf)."""
+def softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf). Public:
+    the kernels of other losses over the logits (``vocab_chunks``) cap them the same way."""
     if HAS_SOFTCAP:
         x = softcap - 2.0 * softcap / (tl.exp(x * (2.0 / softcap)) + 1.0)
     return x
@@ -196,9 +199,9 @@ def _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, H
 
 
 @triton.jit
-def _through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
+def through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
     """A gradient with respect to softcapped logits ``z``, taken back through the soft cap
-    (d z / d x = 1 - (z / softcap)**2)."""
+    (d z / d x = 1 - (z / softcap)**2). Public, as ``softcapped``."""
     if HAS_SOFTCAP:
         th = z / softcap
         g = g * (1.0 - th * th)
@@ -210,7 +213,7 @@ def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: t
     """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
     g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
     g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
-    return tl.where(valid[:, None], _through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
+    return tl.where(valid[:, None], through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
 
 
 @triton.jit
@@ -226,7 +229,7 @@ def _online_lse(x_row, row_mask, col_start, span, col_end, softcap, BLOCK_M: tl.
         cols = col_start + offset + tl.arange(0, BLOCK_V)
         mask = row_mask[:, None] & (cols < col_end)[None, :]
         x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        z = _softcapped(x, softcap, HAS_SOFTCAP)
+        z = softcapped(x, softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(mask, z, float("-inf"))
         if HAS_SMOOTHING:
@@ -246,7 +249,7 @@ def _row_loss(X, rows64, stride_x, t, row_mask, lse, z_sum, V, ignore_index, smo
     valid = row_mask & (t != ignore_index)
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(X + rows64 * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
-    z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+    z_t = softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
     return _loss_terms(lse, z_t, z_sum, valid, in_range, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
 
 
@@ -296,7 +299,7 @@ def _ce_kernel(
             cols = tl.arange(0, BLOCK_V)
             mask = row_mask[:, None] & (cols < V)[None, :]
             x = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-            z = _softcapped(x, softcap, HAS_SOFTCAP)
+            z = softcapped(x, softcap, HAS_SOFTCAP)
             if HAS_SOFTCAP:
                 z = tl.where(mask, z, float("-inf"))
             m = tl.max(z, axis=1)
@@ -338,7 +341,7 @@ def _ce_kernel(
                     cols = (n_chunks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
-                    z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+                    z = softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
                     g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
 
@@ -376,7 +379,7 @@ def _ce_fused_split_kernel(
     row = group + tl.zeros([], dtype=tl.int64)
     x_next = row_slice(X, row, stride_x, cols, M, V, float("-inf"))
     for _ in range(group, M, groups):
-        z = _softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
+        z = softcapped(x_next.to(tl.float32), softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(cols < V, z, float("-inf"))
         t = tl.load(T + row).to(tl.int64)
@@ -392,7 +395,7 @@ def _ce_fused_split_kernel(
         z_t = tl.zeros([], dtype=tl.float32)
         if part == 0:
             x_t = tl.load(X + row * stride_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0)
-            z_t = _softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
+            z_t = softcapped(x_t.to(tl.float32), softcap, HAS_SOFTCAP)
         next_row = row + groups
         if PARTS == 1:  # nothing to exchange
             x_next = row_slice(X, next_row, stride_x, cols, M, V, float("-inf"))
@@ -423,13 +426,13 @@ def _ce_fused_split_kernel(
             tl.store(LSE + row, lse)
         scale = tl.where(valid, tl.where(in_range, count_scale, float("nan")), 0.0)
         p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
-        g = _through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
+        g = through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
         dx_row = DX + row * stride_dx
         tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=cols < V)
         if (t // BLOCK_V == part) & valid & in_range:
             # The one-hot term, after the slice's store (the barrier orders the two writes).
             tl.debug_barrier()
-            g_t = _through_softcap(tl.exp(z_t - lse) * p_coef - off - hot, z_t, softcap, HAS_SOFTCAP)
+            g_t = through_softcap(tl.exp(z_t - lse) * p_coef - off - hot, z_t, softcap, HAS_SOFTCAP)
             tl.store(dx_row + t, g_t.to(DX.dtype.element_ty))
         row = next_row
 
@@ -587,51 +590,81 @@ def ce_rows(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *, lo
     m, v = logits.shape
     if m == 0:
         return
-    config = config or DEFAULT_CONFIG
     forward, grad = loss is not None, dlogits is not None
     if forward and grad_output is not None:
         raise ValueError("ce_rows: grad_output scales a gradient formed after the forward (loss=None)")
-    cap = 1.0 if softcap is None else softcap
+    has_softcap = softcap is not None
+    run = _ROWS[m, v, forward, grad, grad_output is not None, count is not None, smoothing > 0, z_coef > 0,
+                z_loss is not None, has_softcap, logits.get_device(), config]
+    run(logits, target, lse, loss, z_loss, dlogits, grad_output, count, ignore_index, smoothing, z_coef,
+        softcap if has_softcap else 1.0)
+
+
+def _rows_plan(m: int, v: int, forward: bool, grad: bool, has_g: bool, mean: bool, has_smoothing: bool, has_z: bool,
+               store_z: bool, has_softcap: bool, device_index: int, config: Optional[CrossEntropyConfig]):
+    """The launches of one ``ce_rows`` call's sizes and switches, resolved once:
+    ``run(logits, target, lse, loss, z_loss, dlogits, grad_output, count, ignore_index, smoothing,
+    z_coef, cap)``."""
+    config = config or DEFAULT_CONFIG
+    device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+    switches = dict(HAS_SMOOTHING=has_smoothing, HAS_SOFTCAP=has_softcap)
     parts, span = split_forward_parts(v, m, config) if forward and not grad else (1, v)
     if parts > 1:
-        partials = torch.empty((3, m, parts), dtype=torch.float32, device=logits.device)
-        launch(_ce_partial_kernel, (m * parts,), logits, partials, m, v, logits.stride(0), cap, parts, span,
-               HAS_SMOOTHING=smoothing > 0, HAS_SOFTCAP=softcap is not None, BLOCK_V=config.forward.block_v,
-               num_warps=config.forward.num_warps)
         combine = config.split_forward
-        launch(_ce_combine_kernel, (cdiv(m, combine.combine_rows),), logits, target, partials, loss,
-               pointer(z_loss, loss), lse, m, v, logits.stride(0), ignore_index, smoothing, z_coef, cap, parts,
-               PARTS_POW2=next_pow2(parts), HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0,
-               STORE_Z=z_loss is not None, HAS_SOFTCAP=softcap is not None, BLOCK_R=combine.combine_rows,
-               num_warps=combine.combine_warps)
-        return
-    split = inplace_split(v, m, logits.device, config) if forward and grad else None
+        partial_kernel = launcher(_ce_partial_kernel, **switches, BLOCK_V=config.forward.block_v,
+                                  num_warps=config.forward.num_warps)
+        combine_kernel = launcher(_ce_combine_kernel, PARTS_POW2=next_pow2(parts), HAS_SMOOTHING=has_smoothing,
+                                  HAS_Z=has_z, STORE_Z=store_z, HAS_SOFTCAP=has_softcap,
+                                  BLOCK_R=combine.combine_rows, num_warps=combine.combine_warps)
+        partial_grid, combine_grid = (m * parts,), (cdiv(m, combine.combine_rows),)
+
+        def split_forward(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
+            partials = logits.new_empty((3, m, parts), dtype=torch.float32)
+            partial_kernel(partial_grid, logits, partials, m, v, logits.stride(0), cap, parts, span)
+            combine_kernel(combine_grid, logits, target, partials, loss, pointer(z_loss, loss), lse, m, v,
+                           logits.stride(0), ignore_index, smoothing, z_coef, cap, parts)
+        return split_forward
+    split = inplace_split(v, m, device, config) if forward and grad else None
     if split is not None:
         parts, groups = split
-        split_pass = config.split_inplace
-        launch(_ce_fused_split_kernel, (groups * parts,),
-               logits, target, loss, pointer(z_loss, loss), lse, dlogits, pointer(count, lse),
-               torch.zeros((m, parts, 4), dtype=torch.int64, device=logits.device),
-               m, v, logits.stride(0), dlogits.stride(0), ignore_index, smoothing, z_coef, cap,
-               MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_loss is not None,
-               HAS_SOFTCAP=softcap is not None, PARTS=parts, PARTS_POW2=next_pow2(parts),
-               BLOCK_V=split_pass.block_v, num_warps=split_pass.num_warps)
-        return
+        handle = launcher(_ce_fused_split_kernel, MEAN=mean, HAS_SMOOTHING=has_smoothing, HAS_Z=has_z,
+                          STORE_Z=store_z, HAS_SOFTCAP=has_softcap, PARTS=parts, PARTS_POW2=next_pow2(parts),
+                          BLOCK_V=config.split_inplace.block_v, num_warps=config.split_inplace.num_warps)
+        grid = (groups * parts,)
+
+        def split_inplace(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
+            handle(grid, logits, target, loss, pointer(z_loss, loss), lse, dlogits, pointer(count, lse),
+                   logits.new_zeros((m, parts, 4), dtype=torch.int64),
+                   m, v, logits.stride(0), dlogits.stride(0), ignore_index, smoothing, z_coef, cap)
+        return split_inplace
     row_pass = (config.inplace if forward else config.backward) if grad else config.forward
     block_m, block_v, num_warps, one_block = row_tiles(v, m, row_pass, config)
     tiles = cdiv(m, block_m)
-    programs = tiles if row_pass.per_sm == 0 else min(tiles, persistent_programs(logits.device, row_pass.per_sm))
-    launch(_ce_kernel, (programs,),
-        logits, target, pointer(loss, lse), pointer(z_loss, lse), lse,
-        pointer(dlogits, logits), pointer(grad_output, lse), pointer(count, lse),
-        m, v, logits.stride(0), row_stride(dlogits),
-        0 if grad_output is None or grad_output.dim() == 0 else grad_output.stride(0), ignore_index,
-        smoothing, z_coef, cap,
-        FORWARD=forward, GRAD=grad, HAS_G=grad_output is not None, MEAN=count is not None,
-        HAS_SMOOTHING=smoothing > 0, HAS_Z=z_coef > 0, STORE_Z=z_loss is not None,
-        HAS_SOFTCAP=softcap is not None, PASS1_EVICT=row_pass.evict[0], PASS2_EVICT=row_pass.evict[1],
-        BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block, num_warps=num_warps,
-    )
+    grid = (tiles if row_pass.per_sm == 0 else min(tiles, persistent_programs(device, row_pass.per_sm)),)
+    handle = launcher(_ce_kernel, FORWARD=forward, GRAD=grad, HAS_G=has_g, MEAN=mean, HAS_SMOOTHING=has_smoothing,
+                      HAS_Z=has_z, STORE_Z=store_z, HAS_SOFTCAP=has_softcap, PASS1_EVICT=row_pass.evict[0],
+                      PASS2_EVICT=row_pass.evict[1], BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block,
+                      num_warps=num_warps)
+
+    def rows(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
+        handle(grid, logits, target, pointer(loss, lse), pointer(z_loss, lse), lse, pointer(dlogits, logits),
+               pointer(g, lse), pointer(count, lse), m, v, logits.stride(0), row_stride(dlogits),
+               0 if g is None or g.dim() == 0 else g.stride(0), ignore_index, smoothing, z_coef, cap)
+    return rows
+
+
+_ROWS = Plans(_rows_plan)
+
+
+def _scale_plan(r: int, n: int, device_index: int):
+    block_n = min(4096, max(16, next_pow2(n)))
+    block_r = max(1, 4096 // block_n)
+    device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+    programs = min(cdiv(r, block_r), persistent_programs(device, 8))
+    return launcher(_scale_rows_kernel, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8), (programs,)
+
+
+_SCALE = Plans(_scale_plan)
 
 
 def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
@@ -639,46 +672,90 @@ def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
     r, n = dx.shape
     if r == 0 or n == 0:
         return
-    block_n = min(4096, max(16, next_pow2(n)))
-    block_r = max(1, 4096 // block_n)
-    programs = min(cdiv(r, block_r), persistent_programs(dx.device, 8))
-    launch(_scale_rows_kernel, (programs,), dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0),
-           BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8)
+    handle, grid = _SCALE[r, n, dx.get_device()]
+    handle(grid, dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0))
 
 
-def _one_program_block(m: int):
-    """(BLOCK, num_warps) of the one-program kernels over the M rows."""
-    return (128, 4) if m <= 128 else (2048, 8)
+def _one_program(kernel, m: int, **switches):
+    """The Launcher of a one-program kernel over M rows."""
+    block, num_warps = (128, 4) if m <= 128 else (2048, 8)
+    return launcher(kernel, **switches, BLOCK=block, num_warps=num_warps)
+
+
+class _TargetFlag(threading.local):
+    """Per thread: the host word the target check writes (pinned on a GPU: the kernel writes it
+    through its device mapping, with no copy back; the host reads it after the check kernel's
+    event, so a call's check is done before the next call's starts), and an event per device."""
+
+    def __init__(self):
+        self.words: dict = {}  # pinned or not -> int64 [1]
+        self.events: dict = {}
+
+    def word(self, pinned: bool) -> torch.Tensor:
+        word = self.words.get(pinned)
+        if word is None:
+            word = self.words[pinned] = torch.empty(1, dtype=torch.int64, pin_memory=pinned)
+        return word
+
+    def event(self, device_index: int):
+        event = self.events.get(device_index)
+        if event is None:
+            event = self.events[device_index] = torch.cuda.Event()
+        return event
+
+
+_FLAG = _TargetFlag()
+_CHECK = Plans(lambda m: _one_program(_check_targets_kernel, m))
+# Whether the check kernel writes the pinned host word itself (unified addressing makes pinned host
+# memory a kernel's to write); turned off, and the word copied back from the device instead, where
+# Triton refuses it.
+MAPPED_FLAG = True
 
 
 def start_target_check(target: torch.Tensor, v: int, ignore_index: int):
     """Launch the search for a target outside ``[0, V)`` (not ``ignore_index``) ahead of the
-    main kernel, and start copying its answer to the host; ``finish_target_check`` reads it.
-    On a GPU the host then waits for this small kernel only, not for the cross-entropy
-    kernels queued after it, so the GPU does not idle while the host checks. None while a CUDA
-    graph is being captured (no check then)."""
-    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+    main kernel; ``finish_target_check`` reads its answer. On a GPU the host then waits for this
+    small kernel only, not for the cross-entropy kernels queued after it, so the GPU does not
+    idle while the host checks. None while a CUDA graph is being captured (no check then)."""
+    m = target.shape[0]
+    check = _CHECK[m]
+    if not target.is_cuda:  # (the interpreter)
+        word = _FLAG.word(False)
+        check((1,), target, word, m, v, ignore_index)
+        return word, None
+    if torch.cuda.is_current_stream_capturing():
         return None
-    err = torch.empty(1, dtype=torch.int64, device=target.device)
-    block, num_warps = _one_program_block(target.shape[0])
-    launch(_check_targets_kernel, (1,), target, err, target.shape[0], v, ignore_index, BLOCK=block,
-           num_warps=num_warps)
-    if not err.is_cuda:
-        return err, None
-    done = torch.cuda.Event()
-    err = err.to("cpu", non_blocking=True)
+    word = _check_to_host(check, target, v, ignore_index)
+    done = _FLAG.event(target.get_device())
     done.record()
-    return err, done
+    return word, done
+
+
+def _check_to_host(check, target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
+    """Launch ``check`` on a GPU's ``target`` writing the thread's pinned host word, or where
+    Triton refuses host memory (then from now on) a device word copied back to the host."""
+    global MAPPED_FLAG
+    m = target.shape[0]
+    if MAPPED_FLAG:
+        word = _FLAG.word(True)
+        try:
+            check((1,), target, word, m, v, ignore_index)
+            return word
+        except ValueError:  # "Pointer argument cannot be accessed from Triton"
+            MAPPED_FLAG = False
+    on_device = target.new_empty(1, dtype=torch.int64)
+    check((1,), target, on_device, m, v, ignore_index)
+    return on_device.to("cpu", non_blocking=True)
 
 
 def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int) -> None:
     """Raise ValueError naming the first out-of-range target found by ``start_target_check``."""
     if pending is None:
         return
-    err, done = pending
+    word, done = pending
     if done is not None:
         done.synchronize()
-    row = int(err.item()) - 1
+    row = word.item() - 1
     if row >= 0:
         raise ValueError(f"target[{row}] = {int(target[row].item())} is outside [0, {v}) (the vocabulary "
                          f"size) and is not ignore_index ({ignore_index})")
@@ -686,13 +763,20 @@ def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int
 
 def row_buffers(m: int, want_z: bool, z_coef: float, device: torch.device):
     """What a forward writes per row: (lse [M] fp32, loss [M] fp32, z-loss [M] fp32 or None)."""
-    rows = lambda: torch.empty(m, dtype=torch.float32, device=device)  # noqa: E731
-    return rows(), rows(), (rows() if want_z and z_coef > 0 else None)
+    lse = torch.empty(m, dtype=torch.float32, device=device)
+    return lse, torch.empty_like(lse), (torch.empty_like(lse) if want_z and z_coef > 0 else None)
 
 
 def count_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Rows not ignored (0-d int64): for passes that scale a gradient by ``1 / count`` as they go."""
     return (target != ignore_index).sum()
+
+
+def _finish_plan(m: int, reduce: bool, mean: bool, has_z: bool, count_given: bool):
+    return _one_program(_finish_kernel, m, REDUCE=reduce, MEAN=mean, HAS_Z=has_z, COUNT_GIVEN=count_given)
+
+
+_FINISH = Plans(_finish_plan)
 
 
 def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str, want_z: bool,
@@ -701,18 +785,15 @@ def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str,
     small kernel, which also counts the rows for ``mean`` unless ``count`` is given.
     Returns (loss, z-loss part or None, count (0-d int64, ``mean`` only) or None)."""
     m = loss_rows.shape[0]
-    dev = loss_rows.device
     reduce = reduction != "none"
-    loss = torch.empty(() if reduce else (m,), dtype=dtype, device=dev)
-    z = torch.empty_like(loss) if z_rows is not None else None
+    loss = loss_rows.new_empty(() if reduce else (m,), dtype=dtype)
+    z = None if z_rows is None else torch.empty_like(loss)
     out_count = None
     if reduction == "mean":
-        out_count = count if count is not None else torch.empty((), dtype=torch.int64, device=dev)
-    block, num_warps = _one_program_block(m)
-    launch(_finish_kernel, (1,), loss_rows, pointer(z_rows, loss_rows), target,
-           pointer(out_count, loss_rows), loss, pointer(z, loss), m, ignore_index,
-           REDUCE=reduce, MEAN=out_count is not None, HAS_Z=z is not None, COUNT_GIVEN=count is not None,
-           BLOCK=block, num_warps=num_warps)
+        out_count = count if count is not None else target.new_empty((), dtype=torch.int64)
+    _FINISH[m, reduce, out_count is not None, z is not None, count is not None](
+        (1,), loss_rows, pointer(z_rows, loss_rows), target, pointer(out_count, loss_rows), loss, pointer(z, loss), m,
+        ignore_index)
     if want_z and z is None:
         z = torch.zeros_like(loss)
     return loss, z, out_count
@@ -745,7 +826,7 @@ def _ce_forward_inplace(logits, *args, config: Optional[CrossEntropyConfig] = No
 def _ce_backward_launcher(grad, logits, target, lse, count, ignore_index: int, smoothing: float, z_coef: float,
                           softcap: Optional[float], config: Optional[CrossEntropyConfig] = None):
     """The separate backward: re-reads the logits, with the forward's ``lse``."""
-    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    dx = torch.empty_like(logits, memory_format=torch.contiguous_format)
     ce_rows(logits, target, lse, dlogits=dx, grad_output=grad, count=count, ignore_index=ignore_index,
             smoothing=smoothing, z_coef=z_coef, softcap=softcap, config=config)
     return dx
@@ -811,7 +892,7 @@ CE_INPLACE = Op("cross_entropy_inplace", forward=_ce_forward_inplace, setup=_ce_
 # --------------------------------------------------------------------------------------------
 def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap) -> None:
     """Validate the options shared by ``cross_entropy`` and ``linear_cross_entropy``."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if type(ignore_index) is not int and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -825,7 +906,7 @@ def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap
 
 def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
     """Validate class indices ``target [m]`` for ``m`` rows of ``rows_of`` (an argument's name)."""
-    check_tensor("target", target, like=like, floating=False)
+    check_tensor("target", target, like=like, like_name=rows_of, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got dtype {target.dtype}")
     if target.dim() != 1 or target.shape[0] != m:

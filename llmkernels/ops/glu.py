@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ._launch import as_rows, cdiv, check_tensor, launch, next_pow2, use_kernels
+from ._launch import Plans, as_rows, cdiv, check_tensor, launcher, next_pow2, use_kernels
 from ._register import Op
 from ._triton import tl, triton
 
@@ -122,35 +122,47 @@ def _config(m: int, n: int):
     return block_m, block_n, NUM_WARPS
 
 
-def _grid(m: int, n: int):
+def _plan(kernel, m: int, n: int, activation: str, **flags):
+    """(the Launcher, the grid) of ``kernel`` over ``[m, n]``."""
     block_m, block_n, num_warps = _config(m, n)
-    return (cdiv(m, block_m) * cdiv(n, block_n),), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    handle = launcher(kernel, ACTIVATION=activation, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return handle, (cdiv(m, block_m) * cdiv(n, block_n),)
+
+
+_FWD = Plans(lambda m, n, activation: _plan(_glu_fwd_kernel, m, n, activation))
+_BWD = Plans(lambda m, n, activation, store_y: _plan(_glu_bwd_kernel, m, n, activation, STORE_Y=store_y))
+
+
+def _rows(t: torch.Tensor, n: int) -> tuple:
+    """(rows, row stride) of ``t`` as ``glu`` passes it: ``[M, N]`` with a row stride, or
+    contiguous with any leading dimensions (its rows N apart)."""
+    return (t.shape[0], t.stride(0)) if t.dim() == 2 else (t.numel() // n if n else 0, n)
 
 
 def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed) as a new contiguous
-    ``[M, N]`` tensor of gate's dtype."""
-    m, n = gate.shape
-    y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    if y.numel():
-        grid, config = _grid(m, n)
-        launch(_glu_fwd_kernel, grid, gate, up, y, m, n, gate.stride(0), up.stride(0),
-               ACTIVATION=activation, **config)
+    """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed; or both contiguous
+    ``[..., N]``) as a new contiguous tensor of gate's shape and dtype."""
+    n = gate.shape[-1]
+    m, stride_g = _rows(gate, n)
+    y = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if m and n:
+        handle, grid = _FWD[m, n, activation]
+        handle(grid, gate, up, y, m, n, stride_g, _rows(up, n)[1])
     return y
 
 
 def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_y: bool = False):
-    """``(d_gate, d_up)``, new contiguous ``[M, N]`` tensors of gate's dtype, from ``dy, gate,
-    up [M, N]`` (row strides allowed). ``store_y``: ``dy`` (then a buffer the caller owns)
-    is overwritten with the forward's ``y``, recomputed."""
-    m, n = gate.shape
+    """``(d_gate, d_up)``, new contiguous tensors of gate's shape and dtype, from ``dy`` (any
+    strides) and ``gate, up`` as ``_glu_fwd`` takes them. ``store_y``: ``dy`` (then a ``[M, N]``
+    buffer the caller owns) is overwritten with the forward's ``y``, recomputed."""
+    n = gate.shape[-1]
+    m, stride_g = _rows(gate, n)
     dy = as_rows(dy, n)  # the upstream gradient may come with any strides
-    d_gate = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    d_up = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    if d_gate.numel():
-        grid, config = _grid(m, n)
-        launch(_glu_bwd_kernel, grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), gate.stride(0),
-               up.stride(0), ACTIVATION=activation, STORE_Y=store_y, **config)
+    d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    d_up = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if m and n:
+        handle, grid = _BWD[m, n, activation, store_y]
+        handle(grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), stride_g, _rows(up, n)[1])
     return d_gate, d_up
 
 
@@ -202,7 +214,7 @@ def _glu_linear_backward(ctx, bwd, d_out):
 GLU_LINEAR = Op("glu_linear", forward=_glu_linear_fwd, setup=_glu_linear_setup, backward=_glu_linear_backward,
                 grad_inputs=(0, 1, 2, 3), once_differentiable=True,
                 base=lambda gate, up, weight, bias, activation: torch.nn.functional.linear(
-                    glu(gate, up, activation), weight, bias))
+                    GLU(gate, up, activation), weight, bias))
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +231,16 @@ def _check_glu_args(gate, up, activation) -> None:
         raise TypeError(f"up dtype {up.dtype} must equal gate dtype {gate.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _kernel_args(gate, up):
+    """``(gate, up, shape)`` as the kernels read them: themselves where both are contiguous, or
+    ``[M, N]`` with unit column stride (no view made); else ``[M, N]`` views (copies where none
+    exists) and the shape to view the result back to (None: it has gate's shape already)."""
+    n = gate.shape[-1]
+    if gate.dim() != 2 and gate.is_contiguous() and up.is_contiguous():
+        return gate, up, None
+    return as_rows(gate, n), as_rows(up, n), None if gate.dim() == 2 else gate.shape
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -242,9 +264,9 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
     if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
         return reference.glu(gate, up, activation, compute_dtype=compute)
-    shape, n = gate.shape, gate.shape[-1]
-    args = (as_rows(gate, n), as_rows(up, n), activation)
-    return GLU(*args).view(shape)
+    gate_rows, up_rows, shape = _kernel_args(gate, up)
+    y = GLU(gate_rows, up_rows, activation)
+    return y if shape is None else y.view(shape)
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -285,6 +307,6 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias:
             raise TypeError(f"bias dtype {bias.dtype} must equal gate dtype {gate.dtype}")
     if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
         return torch.nn.functional.linear(glu(gate, up, activation), weight, bias)
-    shape, n = gate.shape, gate.shape[-1]
-    out = GLU_LINEAR(as_rows(gate, n), as_rows(up, n), weight, bias, activation)
-    return out.view(*shape[:-1], weight.shape[0])
+    gate_rows, up_rows, shape = _kernel_args(gate, up)
+    out = GLU_LINEAR(gate_rows, up_rows, weight, bias, activation)
+    return out if shape is None else out.view(*shape[:-1], weight.shape[0])

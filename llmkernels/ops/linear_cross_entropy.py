@@ -14,6 +14,14 @@ upstream gradient of 1; the backward multiplies them by the actual one, skipping
 is 1). With ``"none"`` the upstream gradient differs per row, so the forward keeps only ``lse``
 and the backward recomputes each chunk's logits (one more matmul).
 
+``memory="low"``: no ``[V, H]`` accumulator. The row chunks give the loss, lse and the hidden
+gradient as above (one ``[C, V]`` block at a time, ``grad_hidden_chunk = d logits @ weight``
+exact), then the weight gradient goes over vocabulary chunks (``vocab_chunks``): the logits
+``[M, Cv] = hidden @ weight[v].T`` are recomputed, the gradient written over them from the
+saved ``lse``, and ``grad_weight[v] = d logits.T @ hidden`` is one matmul over all rows, summed
+in fp32 inside cuBLAS and rounded once. Matmuls: 4 for ``"mean"``/``"sum"`` (3 by default), 5
+for ``"none"`` (4); memory beyond the gradients: one block of ``LOW_MEMORY_CHUNK_BYTES``.
+
 Chunk size: ``ROWS_PER_CHUNK`` rows by default (each chunk's weight-gradient matmul then does
 ~500 flops per byte of the ``[V, H]`` fp32 accumulator it reads and writes, so it stays
 compute-bound on H100-class GPUs), fewer if a chunk's logits would take over a quarter of the
@@ -21,44 +29,34 @@ free device memory, then evened out so the last chunk is not a sliver.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import reference
-from ._launch import cdiv, check_tensor, use_kernels
+from ._launch import cdiv, use_kernels
 from ._register import Op
 from .cross_entropy import (ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
                             package_output, row_buffers, scale_rows_, start_target_check)
+from .vocab_chunks import accumulate_mm, aligned_cols, check_head, grads_by_vocab_chunks
 
 ROWS_PER_CHUNK = 2048
+LOW_MEMORY_CHUNK_BYTES = 64 * 2**20  # memory="low": logits of a chunk (its rows, or its vocabulary columns)
+MEMORY_MODES = ("fast", "low")
 
 
-def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int]) -> int:
+def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int],
+               memory: str = "fast") -> int:
     """Rows per chunk (see the module docstring); ``chunk_size`` overrides."""
     if m == 0:
         return 1
     if chunk_size is not None:
         return min(chunk_size, m)
-    rows = min(m, ROWS_PER_CHUNK)
+    rows = min(m, ROWS_PER_CHUNK if memory == "fast" else max(1, LOW_MEMORY_CHUNK_BYTES // (v * element_size)))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         rows = max(1, min(rows, free // (4 * v * element_size)))
     return cdiv(m, cdiv(m, rows))
-
-
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16 products,
-    in cuBLAS's epilogue on CUDA: no ``[V, H]`` temporary)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype: products rounded to a's dtype
-            acc += torch.mm(a, b).to(acc.dtype)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=None, count=None,
@@ -72,39 +70,60 @@ def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=N
     m = hidden.shape[0]
     # One [chunk, V] buffer for every chunk: a fresh product per chunk would be allocated while
     # the previous chunk's is still referenced, two chunks' logits at the peak.
-    buffer = torch.empty((min(chunk, m), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    buffer = hidden.new_empty((min(chunk, m), weight.shape[0]))
+    weight_t = weight.t()
+    rows = lambda t: t if t is None or whole else t[a:b]  # noqa: E731  (one chunk: no slicing)
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
-        h = hidden[a:b]
-        logits = buffer[: b - a]
+        whole = b - a == m
+        h = rows(hidden)
+        logits = buffer if whole else buffer[: b - a]
         if bias is None:
-            torch.mm(h, weight.t(), out=logits)
+            torch.mm(h, weight_t, out=logits)
         else:
-            torch.addmm(bias, h, weight.t(), out=logits)
-        ce_rows(logits, target[a:b], lse[a:b],
-                loss=None if loss_rows is None else loss_rows[a:b], z_loss=None if z_rows is None else z_rows[a:b],
+            torch.addmm(bias, h, weight_t, out=logits)
+        ce_rows(logits, rows(target), rows(lse), loss=rows(loss_rows), z_loss=rows(z_rows),
                 dlogits=logits if want_grad else None,
-                grad_output=None if g is None else (g if g.dim() == 0 else g[a:b]),
+                grad_output=None if g is None else (g if g.dim() == 0 else rows(g)),
                 count=count, ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
         if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[a:b])
+            torch.mm(logits, weight, out=rows(grad_hidden))
         if grad_weight is not None:
-            _accumulate_mm(grad_weight, logits.t(), h)
+            accumulate_mm(grad_weight, logits.t(), h)
         if grad_bias is not None:
             grad_bias += logits.sum(0, dtype=grad_bias.dtype)
 
 
-def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype):
+def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype, memory: str):
+    """(grad_hidden, grad_weight accumulator, grad_bias accumulator) of the row chunks: with
+    ``memory="low"`` only the first (the vocabulary chunks give the others)."""
     need_h, need_w, need_b = need
+    if memory == "low":
+        need_w = need_b = False
     acc = accum_dtype or weight.dtype
     return (torch.empty_like(hidden) if need_h else None,
-            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
-            torch.zeros(bias.shape, dtype=(accum_dtype or bias.dtype), device=bias.device) if need_b else None)
+            torch.zeros_like(weight, dtype=acc, memory_format=torch.contiguous_format) if need_w else None,
+            torch.zeros_like(bias, dtype=accum_dtype or bias.dtype, memory_format=torch.contiguous_format)
+            if need_b else None)
+
+
+def _weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, *, need: tuple, chunk: int,
+                           ignore_index: int, smoothing: float, z_coef: float, softcap: Optional[float]):
+    """``memory="low"``: (grad_weight, grad_bias) over vocabulary chunks of ``chunk * V / M``
+    columns (a row chunk's worth of logits, aligned), for the per-row upstream ``scale`` (0-d or
+    ``[M]`` fp32); the gradient is ``s (p (1 + 2 z_loss lse) - eps / V - (1 - eps) onehot)``."""
+    m, v = hidden.shape[0], weight.shape[0]
+    s = scale.to(torch.float32).expand(m)
+    coefs = torch.stack((s * (1.0 + 2.0 * z_coef * lse), s, s * (smoothing / v), s * (1.0 - smoothing)))
+    _, gw, gb = grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None, need=(False, *need[1:]),
+                                      ignore_index=ignore_index, softcap=softcap, has_c=smoothing > 0,
+                                      cols=aligned_cols(max(1, chunk * v // max(m, 1)), v))
+    return gw, gb
 
 
 def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str, smoothing: float, z_coef: float,
                  softcap: Optional[float], want_z: bool, check: bool, chunk_size: Optional[int],
-                 accum_dtype: Optional[torch.dtype], need: tuple):
+                 accum_dtype: Optional[torch.dtype], need: tuple, memory: str = "fast"):
     """Returns (loss, z part or None, lse [M] fp32, grad_hidden, grad_weight, grad_bias), the
     gradients (each None unless ``need``-ed, and only for reductions other than ``"none"``) for
     an upstream gradient of 1, in the parameters' dtypes."""
@@ -114,25 +133,36 @@ def _lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str
     lse, loss_rows, z_rows = row_buffers(m, want_z, z_coef, dev)
     fused = reduction != "none" and any(need)
     count = count_rows(target, ignore_index) if fused and reduction == "mean" else None
-    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype) if fused else (None, None, None)
-    chunk = chunk_rows(m, v, hidden.element_size(), dev, chunk_size)
+    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype, memory) if fused else (None, None, None)
+    chunk = chunk_rows(m, v, hidden.element_size(), dev, chunk_size, memory)
     _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, count=count,
              loss_rows=loss_rows, z_rows=z_rows, ignore_index=ignore_index, smoothing=smoothing,
              z_coef=z_coef, softcap=softcap)
     loss, z, _ = finish_loss(loss_rows, z_rows, target, ignore_index=ignore_index, reduction=reduction,
                              want_z=want_z, dtype=torch.float32, count=count)
     finish_target_check(pending, target, v, ignore_index)
+    if fused and memory == "low":
+        scale = torch.ones((), device=dev) if count is None else 1.0 / count.to(torch.float32)
+        grads = (grads[0], *_weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, need=need, chunk=chunk,
+                                                   ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef,
+                                                   softcap=softcap))
     return (loss, z, lse, *_in_dtypes(grads, weight, bias))
 
 
 def _lce_backward_launcher(grad, hidden, weight, target, bias, lse, ignore_index: int, smoothing: float,
                            z_coef: float, softcap: Optional[float], chunk_size: Optional[int],
-                           accum_dtype: Optional[torch.dtype], need: tuple):
-    """Backward of ``reduction="none"`` (``grad [M]``): recompute each chunk's logits."""
-    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype)
-    chunk = chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
-    _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, g=grad,
-             ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+                           accum_dtype: Optional[torch.dtype], need: tuple, memory: str):
+    """Backward of ``reduction="none"`` (``grad [M]``): recompute each chunk's logits (and with
+    ``memory="low"`` the vocabulary chunks' for the weight and bias gradients)."""
+    grads = _grad_buffers(hidden, weight, bias, need, accum_dtype, memory)
+    chunk = chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), hidden.device, chunk_size, memory)
+    if need[0] or memory == "fast":
+        _chunked(hidden, weight, target, bias, lse, chunk=chunk, grads=grads, g=grad,
+                 ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef, softcap=softcap)
+    if memory == "low":
+        grads = (grads[0], *_weight_grads_by_vocab(hidden, weight, target, bias, lse, grad, need=need, chunk=chunk,
+                                                   ignore_index=ignore_index, smoothing=smoothing, z_coef=z_coef,
+                                                   softcap=softcap))
     return _in_dtypes(grads, weight, bias)
 
 
@@ -150,69 +180,87 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
     return t
 
 
+def grads_fake(params: tuple, need) -> tuple:
+    """Fake gradients of ``params`` (None where not ``need``-ed), for the fake kernels."""
+    return tuple(t.new_empty(t.shape) if n else None for t, n in zip(params, need))
+
+
 # --------------------------------------------------------------------------------------------
 # registration: eager autograd and torch.compile custom ops (llmkernels::linear_cross_entropy_fwd
 # / _bwd). With "mean" and "sum" the gradients are formed in the forward: the eager variant
 # scales them in place in the backward (once), the custom op's backward multiplies them.
 # --------------------------------------------------------------------------------------------
+def head_loss_ops(name: str, *, kept_for_none: Callable, reduction_at: int, need_at: int, grads_from: int,
+                  once: str, **description) -> tuple[Op, Op]:
+    """``(op, fused)``: the two Ops of a loss over an LM head whose forward forms the gradients
+    (for an upstream gradient of 1) unless the reduction is ``"none"``, as this module's.
+
+    ``op`` (eager for ``"none"``, and torch.compile for every reduction) saves, for ``"none"``,
+    ``kept_for_none(inputs, outputs) -> (tensors, options)`` and calls the backward launcher
+    with ``(grad, *tensors, *options)``; otherwise it saves the gradients (the outputs from
+    ``grads_from`` on) and multiplies them by the upstream gradient. ``fused``, eager-only for
+    ``"mean"``/``"sum"``, scales them in place instead (so its backward runs ``once``).
+    ``inputs[reduction_at]`` is the reduction and ``inputs[need_at]`` which of the inputs at
+    ``grad_inputs`` want a gradient; ``description``: the rest of :class:`Op`'s arguments."""
+    def setup(ctx, inputs, outputs):
+        ctx.reduction, ctx.need = inputs[reduction_at], inputs[need_at]
+        if ctx.reduction == "none":
+            tensors, ctx.options = kept_for_none(inputs, outputs)
+            ctx.save_for_backward(*tensors)
+        else:
+            ctx.save_for_backward(*outputs[grads_from:])
+
+    def backward(ctx, bwd, grad, *_):
+        if ctx.reduction == "none":
+            grads = bwd(grad, *ctx.saved_tensors, *ctx.options)
+        else:
+            grads = tuple(t * grad for t in ctx.saved_tensors)
+        return tuple(t if n else None for t, n in zip(grads, ctx.need))
+
+    def fused_setup(ctx, inputs, outputs):
+        ctx.save_for_backward(*outputs[grads_from:])
+
+    def fused_backward(ctx, _, grad, *__):
+        return tuple(_scaled(t, grad) for t in ctx.saved_tensors)
+
+    op = Op(name, setup=setup, backward=backward, **description)
+    fused = Op(name + "_fused", forward=description["forward"], setup=fused_setup, backward=fused_backward,
+               grad_inputs=description["grad_inputs"], returns=description.get("returns"),
+               non_differentiable=description.get("non_differentiable", ()), base=op, once=once)
+    return op, fused
+
+
 def _lce_fake(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check,
-              chunk_size, accum_dtype, need):
+              chunk_size, accum_dtype, need, memory="fast"):
     m = hidden.shape[0]
     loss = hidden.new_empty((m,) if reduction == "none" else (), dtype=torch.float32)
     fused = reduction != "none"
     return (loss, loss.new_empty(loss.shape) if want_z else None, hidden.new_empty(m, dtype=torch.float32),
-            *_grads_fake(hidden, weight, bias, [fused and n for n in need]))
+            *grads_fake((hidden, weight, bias), [fused and n for n in need]))
 
 
-def _grads_fake(hidden, weight, bias, need):
-    return (hidden.new_empty(hidden.shape) if need[0] else None, weight.new_empty(weight.shape) if need[1] else None,
-            bias.new_empty(bias.shape) if need[2] else None)
-
-
-def _lce_setup(ctx, inputs, outputs):
+def _lce_kept_for_none(inputs, outputs):
     (hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, want_z, check, chunk_size,
-     accum_dtype, need) = inputs
-    ctx.reduction, ctx.need = reduction, need
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, outputs[2])
-        ctx.options = (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need)
-    else:
-        ctx.save_for_backward(*outputs[3:])
+     accum_dtype, need, memory) = inputs
+    return ((hidden, weight, target, bias, outputs[2]),
+            (ignore_index, smoothing, z_coef, softcap, chunk_size, accum_dtype, need, memory))
 
 
-def _lce_backward(ctx, bwd, grad, *_):
-    if ctx.reduction == "none":
-        hidden, weight, target, bias, lse = ctx.saved_tensors
-        grads = bwd(grad, hidden, weight, target, bias, lse, *ctx.options)
-    else:
-        grads = tuple(t * grad for t in ctx.saved_tensors)
-    return tuple(t if n else None for t, n in zip(grads, ctx.need))
-
-
-LCE = Op("linear_cross_entropy", forward=_lce_forward, setup=_lce_setup, backward=_lce_backward,
-         grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), fake=_lce_fake,
-         schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, str reduction, "
-                "float smoothing, float z_coef, float? softcap, bool want_z, bool check, SymInt? chunk_size, "
-                "ScalarType? accum_dtype, bool[] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-         backward_launcher=_lce_backward_launcher,
-         backward_fake=lambda grad, hidden, weight, target, bias, *rest: _grads_fake(hidden, weight, bias, rest[-1]),
-         backward_schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor lse, "
-                         "SymInt ignore_index, float smoothing, float z_coef, float? softcap, SymInt? chunk_size, "
-                         "ScalarType? accum_dtype, bool[] need) -> (Tensor, Tensor, Tensor)")
-
-
-def _lce_fused_setup(ctx, inputs, outputs):
-    ctx.save_for_backward(*outputs[3:])
-
-
-def _lce_fused_backward(ctx, _, grad, *__):
-    return tuple(_scaled(t, grad) for t in ctx.saved_tensors)
-
-
-LCE_FUSED = Op("linear_cross_entropy_fused", forward=_lce_forward, setup=_lce_fused_setup,
-               backward=_lce_fused_backward, grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), base=LCE,
-               once="linear_cross_entropy formed its gradients in the forward and scales them in place: backward "
-                    "can run through it only once (retain_graph is not supported)")
+LCE, LCE_FUSED = head_loss_ops(
+    "linear_cross_entropy", kept_for_none=_lce_kept_for_none, reduction_at=5, need_at=13, grads_from=3,
+    once="linear_cross_entropy formed its gradients in the forward and scales them in place: backward can run "
+         "through it only once (retain_graph is not supported)",
+    forward=_lce_forward, grad_inputs=(0, 1, 3), returns=3, non_differentiable=(1, 2), fake=_lce_fake,
+    schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, SymInt ignore_index, str reduction, "
+           "float smoothing, float z_coef, float? softcap, bool want_z, bool check, SymInt? chunk_size, "
+           "ScalarType? accum_dtype, bool[] need, str memory=\"fast\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+           "Tensor)",
+    backward_launcher=_lce_backward_launcher,
+    backward_fake=lambda grad, hidden, weight, target, bias, lse, *options: grads_fake((hidden, weight, bias),
+                                                                                       options[6]),
+    backward_schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor lse, "
+                    "SymInt ignore_index, float smoothing, float z_coef, float? softcap, SymInt? chunk_size, "
+                    "ScalarType? accum_dtype, bool[] need, str memory) -> (Tensor, Tensor, Tensor)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +270,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
                          return_z_loss: bool = False, return_lse: bool = False, check_targets: bool = True,
-                         chunk_size: Optional[int] = None, accum_dtype: Optional[torch.dtype] = torch.float32):
+                         chunk_size: Optional[int] = None, accum_dtype: Optional[torch.dtype] = torch.float32,
+                         memory: str = "fast"):
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without materializing the
     ``[M, V]`` logits: rows go through in chunks (see the module docstring).
 
@@ -237,7 +286,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             chunk's logits take ``chunk_size * V`` elements).
         accum_dtype: dtype in which the weight and bias gradients are summed over chunks:
             float32 (default; a ``[V, H]`` fp32 buffer during the forward) or None for the
-            parameters' own dtype (half the memory, one rounding per chunk).
+            parameters' own dtype (half the memory, one rounding per chunk). Unused with
+            ``memory="low"``.
+        memory: ``"fast"`` (default) or ``"low"``: no ``[V, H]`` accumulator, the weight
+            gradient over vocabulary chunks (each summed in fp32 by cuBLAS), one more matmul
+            (module docstring); extra memory beyond the gradients is one chunk of
+            ``LOW_MEMORY_CHUNK_BYTES`` (``chunk_size`` rows, or ``chunk_size * V / M`` columns).
 
     Returns:
         ``loss`` in float32 (0-d, or ``[M]`` for ``"none"``; as Hugging Face computes its LM
@@ -247,26 +301,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
     the backward can run only once through this call.
     """
-    check_tensor("hidden", hidden)
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must have shape [M, H], got {list(hidden.shape)}")
-    check_tensor("weight", weight, like=hidden)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
-        raise ValueError(f"weight must have shape [V, H] = [V, {hidden.shape[1]}] with V >= 1, "
-                         f"got {list(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    if bias is not None:
-        check_tensor("bias", bias, like=hidden)
-        if bias.shape != weight.shape[:1] or bias.dtype != weight.dtype:
-            raise ValueError(f"bias must have shape [{weight.shape[0]}] and dtype {weight.dtype}, "
-                             f"got {list(bias.shape)} {bias.dtype}")
+    check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     if accum_dtype not in (None, torch.float32):
         raise ValueError(f"accum_dtype must be torch.float32 or None, got {accum_dtype!r}")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     smoothing, z_coef = float(label_smoothing), float(z_loss)
     softcap = None if softcap is None else float(softcap)
     if not use_kernels(hidden) or hidden.dtype == torch.float64:
@@ -280,5 +323,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             grad_on and bias is not None and bias.requires_grad]
     op = LCE if reduction == "none" else LCE_FUSED
     loss, z, lse = op(hidden, weight, target, bias, ignore_index, reduction, smoothing, z_coef, softcap, return_z_loss,
-                      check_targets, chunk_size, accum_dtype, need)
+                      check_targets, chunk_size, accum_dtype, need, memory)
     return package_output(loss, z, lse, return_z_loss, return_lse)

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from ._launch import cdiv, check_tensor, launch, next_pow2, pointer, use_kernels
+from ._launch import Plans, cdiv, check_tensor, launcher, next_pow2, use_kernels
 from ._register import Op
 from ._triton import tl, triton
 
@@ -160,47 +160,85 @@ def rope_config(n_tokens: int, hq: int, hk: int, d: int) -> RopeConfig:
     return RopeConfig(block_t, block_hq, block_hk, NUM_WARPS)
 
 
+def _plan(n_tokens: int, hq: int, hk: int, d: int, rotary_dim: int, has_k: bool, has_pos: bool, interleaved: bool,
+          backward: bool, copy_pass: bool, config: Optional[RopeConfig]):
+    """(the Launcher, the grid) of one call's sizes and switches."""
+    block_t, block_hq, block_hk, num_warps = config or rope_config(n_tokens, hq, hk, d)
+    handle = launcher(_rope_kernel, HAS_K=has_k, HAS_POS=has_pos, INTERLEAVED=interleaved, BACKWARD=backward,
+                      COPY_PASS=copy_pass, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                      HALF=max(1, next_pow2(rotary_dim // 2)), PASS=max(1, next_pow2(d - rotary_dim)),
+                      num_warps=num_warps)
+    return handle, (cdiv(n_tokens, block_t),)
+
+
+_PLANS = Plans(_plan)
+_NO_STRIDES = (0, 0, 0, 0)
+# Where batch, sequence and head are in q's dimensions, by layout.
+_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1)}
+
+
+def _bsh(t: torch.Tensor, dims: tuple) -> tuple:
+    """(batch, sequence, head) strides of a ``[B, S, H, D]`` or ``[B, H, S, D]`` tensor."""
+    st = t.stride()
+    return st[dims[0]], st[dims[1]], st[dims[2]]
+
+
 def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int, backward: bool, q_out, k_out,
-                config: Optional[RopeConfig] = None) -> None:
+                config: Optional[RopeConfig] = None, layout: str = "bshd") -> None:
     """The launcher: rotate ``q [B, S, Hq, D]`` (and ``k [B, S, Hk, D]``, or None) into
     ``q_out``/``k_out`` of the same shapes (which may be q/k themselves), ``backward`` rotating
-    the other way (the op's derivative). All are strided views with unit last stride.
-    ``cos``/``sin``: ``[B or 1, S, >= R]`` (batch stride 0 to broadcast), or with ``position_ids
-    [B, S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
+    the other way (the op's derivative); with ``layout="bhsd"`` all four are ``[B, H, S, D]``.
+    All are strided tensors with unit last stride. ``cos``/``sin``: ``[B or 1, S, >= R]``
+    (batch stride 0 broadcasts too) or ``[S, >= R]``, or with ``position_ids [B or 1, S]`` or
+    ``[S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
     :class:`RopeConfig` (tuning), default ``rope_config``'s."""
-    bsz, seq, hq, d = q.shape
-    hk = 0 if k is None else k.shape[2]
+    dims = _DIMS[layout]
+    shape = q.shape
+    bsz, seq, hq, d = shape[0], shape[dims[1]], shape[dims[2]], shape[3]
+    hk = 0 if k is None else k.shape[dims[2]]
     n_tokens = bsz * seq
     if n_tokens == 0 or hq + hk == 0:
         return
-    block_t, block_hq, block_hk, num_warps = config or rope_config(n_tokens, hq, hk, d)
     has_pos = position_ids is not None
-    ks = (0, 0, 0) if k is None else (k.stride(0), k.stride(1), k.stride(2))
-    kos = (0, 0, 0) if k is None else (k_out.stride(0), k_out.stride(1), k_out.stride(2))
+    copy_pass = rotary_dim < d and q_out.data_ptr() != q.data_ptr()
+    handle, grid = (_PLANS[n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
+                           None] if config is None else
+                    _plan(n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
+                          config))
+    cs = cos.stride()
     if has_pos:
-        c_strides, p_strides, max_pos = (0, cos.stride(0)), (position_ids.stride(0), position_ids.stride(1)), cos.shape[0]
+        ps = position_ids.stride()
+        tables = (0, cs[0], *((0, ps[0]) if len(ps) == 1 else (ps[0] if position_ids.shape[0] > 1 else 0, ps[1])))
+        max_pos = cos.shape[0]
     else:
-        c_strides, p_strides, max_pos = (cos.stride(0), cos.stride(1)), (0, 0), 0
-    launch(_rope_kernel, (cdiv(n_tokens, block_t),),
-        q, pointer(k, q), q_out, pointer(k_out, q_out), cos, sin,
-        pointer(position_ids, cos),
-        n_tokens, seq, hq, hk, rotary_dim, d, max_pos,
-        q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        *ks, *kos, *c_strides, *p_strides,
-        HAS_K=k is not None, HAS_POS=has_pos, INTERLEAVED=interleaved, BACKWARD=backward,
-        COPY_PASS=rotary_dim < d and q_out.data_ptr() != q.data_ptr(),
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        HALF=max(1, next_pow2(rotary_dim // 2)), PASS=max(1, next_pow2(d - rotary_dim)), num_warps=num_warps,
-    )
+        tables = (0, cs[0], 0, 0) if len(cs) == 2 else (cs[0] if cos.shape[0] > 1 else 0, cs[1], 0, 0)
+        max_pos = 0
+    handle(grid, q, q if k is None else k, q_out, q_out if k_out is None else k_out, cos, sin,
+           cos if position_ids is None else position_ids,
+           n_tokens, seq, hq, hk, rotary_dim, d, max_pos,
+           *_bsh(q, dims), *_bsh(q_out, dims),
+           *(_NO_STRIDES[:3] if k is None else _bsh(k, dims)), *(_NO_STRIDES[:3] if k is None else _bsh(k_out, dims)),
+           *tables)
 
 
-def _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+def _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout):
     """Out of place: returns ``(q_out, k_out)`` (``k_out`` None without k) in the given dtypes,
-    laid out in memory like q and k where they are dense."""
-    q_out = torch.empty_like(q, dtype=q_dtype)
-    k_out = None if k is None else torch.empty_like(k, dtype=k_dtype)
-    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out)
+    laid out in memory like q and k where they are dense, else contiguous in ``[B, S, H, D]``
+    order."""
+    q_out = _empty_like(q, q_dtype, layout)
+    k_out = None if k is None else _empty_like(k, k_dtype, layout)
+    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out, layout=layout)
     return q_out, k_out
+
+
+def _empty_like(t, dtype, layout):
+    """A new tensor of ``t``'s shape and ``dtype``, with t's strides where t is dense (what
+    ``empty_like`` keeps), else contiguous in the kernel's ``[B, S, H, D]`` order."""
+    out = torch.empty_like(t) if t.dtype == dtype else torch.empty_like(t, dtype=dtype)
+    if layout == "bhsd" and out.stride() != t.stride():  # t is not dense
+        b, h, s, d = t.shape
+        out = out.new_empty((b, s, h, d)).transpose(1, 2)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,50 +251,51 @@ def _unit_last(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_fake(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype):
+def _rope_fake(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout):
     return torch.empty_like(q, dtype=q_dtype), None if k is None else torch.empty_like(k, dtype=k_dtype)
 
 
 def _rope_setup(ctx, inputs, outputs):
-    q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype = inputs
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout = inputs
     ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype)
+    ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype, layout)
     ctx.shapes = (outputs[0].shape, None if k is None else outputs[1].shape)
 
 
 def _rope_backward(ctx, rope, dq, dk):
     cos, sin, position_ids = ctx.saved_tensors
-    interleaved, rotary_dim, backward, q_dtype, k_dtype = ctx.options
+    interleaved, rotary_dim, backward, q_dtype, k_dtype, layout = ctx.options
     # The gradient of an unused output comes as zeros (eager) or None (torch.compile).
     if dq is None:
         dq = cos.new_zeros(ctx.shapes[0], dtype=q_dtype)
     if k_dtype is not None and dk is None:
         dk = cos.new_zeros(ctx.shapes[1], dtype=k_dtype)
     dq, dk = rope(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin, position_ids,
-                  interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype)
+                  interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype, layout)
     return dq, (dk if k_dtype is not None else None), None, None
 
 
 ROPE = Op("rope", forward=_rope, setup=_rope_setup, backward=_rope_backward, grad_inputs=(0, 1, 2, 3),
           fake=_rope_fake,
           schema="(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved, "
-                 "SymInt rotary_dim, bool backward, ScalarType q_dtype, ScalarType k_dtype) -> (Tensor, Tensor)")
+                 "SymInt rotary_dim, bool backward, ScalarType q_dtype, ScalarType k_dtype, str layout) "
+                 "-> (Tensor, Tensor)")
 
 
-def _rope_inplace(q, k, cos, sin, position_ids, interleaved, rotary_dim):
-    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k)
+def _rope_inplace(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
+    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k, layout=layout)
 
 
 def _rope_inplace_setup(ctx, inputs, outputs):
-    q, k, cos, sin, position_ids, interleaved, rotary_dim = inputs
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, layout = inputs
     ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (interleaved, rotary_dim, q.dtype)
+    ctx.options = (interleaved, rotary_dim, q.dtype, layout)
 
 
 def _rope_inplace_backward(ctx, _, dy):
     cos, sin, position_ids = ctx.saved_tensors
-    interleaved, rotary_dim, dtype = ctx.options
-    dx, _ = ROPE(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, dtype)
+    interleaved, rotary_dim, dtype, layout = ctx.options
+    dx, _ = ROPE(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, dtype, layout)
     return (dx,)
 
 
@@ -265,71 +304,78 @@ def _rope_inplace_backward(ctx, _, dy):
 ROPE_INPLACE = Op("rope_", forward=_rope_inplace, setup=_rope_inplace_setup, backward=_rope_inplace_backward,
                   grad_inputs=(0, 1), mutates=("q", "k"), fake=lambda *args: None,
                   schema="(Tensor(a0!) q, Tensor(a1!)? k, Tensor cos, Tensor sin, Tensor? position_ids, "
-                         "bool interleaved, SymInt rotary_dim) -> ()")
+                         "bool interleaved, SymInt rotary_dim, str layout) -> ()")
 
 
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim):
-    """Validate; return (rotary_dim, position_ids as [B, S] or None)."""
+def _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim) -> int:
+    """Validate (reading attributes only, except the range of position_ids); return rotary_dim."""
     check_tensor("q", q)
-    if layout not in LAYOUTS:
+    dims = _DIMS.get(layout)
+    if dims is None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [{', '.join(layout.upper())}], got shape {list(q.shape)}")
-    s_dim = 2 if layout == "bhsd" else 1
-    bsz, seq, d = q.shape[0], q.shape[s_dim], q.shape[3]
+    shape = q.shape
+    if len(shape) != 4:
+        raise ValueError(f"q must be 4-D [{', '.join(layout.upper())}], got shape {list(shape)}")
+    bsz, seq, d = shape[0], shape[dims[1]], shape[3]
     if k is not None:
         check_tensor("k", k, like=q, like_name="q")
-        if k.dim() != 4:
-            raise ValueError(f"k must be 4-D [{', '.join(layout.upper())}], got shape {list(k.shape)}")
-        if k.shape[3] != d:
-            raise ValueError(f"k's head_dim {k.shape[3]} must equal q's head_dim {d}")
-        if k.shape[0] != bsz or k.shape[s_dim] != seq:
-            raise ValueError(f"k (shape {list(k.shape)}) must have q's batch size {bsz} and sequence length "
+        k_shape = k.shape
+        if len(k_shape) != 4:
+            raise ValueError(f"k must be 4-D [{', '.join(layout.upper())}], got shape {list(k_shape)}")
+        if k_shape[3] != d:
+            raise ValueError(f"k's head_dim {k_shape[3]} must equal q's head_dim {d}")
+        if k_shape[0] != bsz or k_shape[dims[1]] != seq:
+            raise ValueError(f"k (shape {list(k_shape)}) must have q's batch size {bsz} and sequence length "
                              f"{seq} (layout {layout!r})")
     check_tensor("cos", cos, like=q, like_name="q")
     check_tensor("sin", sin, like=q, like_name="q")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos shape {list(cos.shape)} must equal sin shape {list(sin.shape)}")
-    width = cos.shape[-1] if cos.dim() else 0
+    c_shape = cos.shape
+    if c_shape != sin.shape:
+        raise ValueError(f"cos shape {list(c_shape)} must equal sin shape {list(sin.shape)}")
+    width = c_shape[-1] if c_shape else 0
     if rotary_dim is None:
         rotary_dim = width
-    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
+    if type(rotary_dim) is not int and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
         raise ValueError(f"rotary_dim must be even and in [2, head_dim={d}], got {rotary_dim}")
-    if width not in (rotary_dim, d):
+    if width != rotary_dim and width != d:
         raise ValueError(f"cos/sin last dim must be rotary_dim={rotary_dim} or head_dim={d}, got {width}")
     if position_ids is None:
-        if not (cos.dim() == 2 and cos.shape[0] == seq) and not (
-                cos.dim() == 3 and cos.shape[0] in (1, bsz) and cos.shape[1] == seq):
+        rows = len(c_shape)
+        if not (rows == 2 and c_shape[0] == seq) and not (
+                rows == 3 and (c_shape[0] == 1 or c_shape[0] == bsz) and c_shape[1] == seq):
             raise ValueError(f"cos/sin must be [S, {width}], [1, S, {width}] or [B, S, {width}] with B={bsz}, "
-                             f"S={seq}; got {list(cos.shape)} (pass position_ids to gather from a table)")
-        return rotary_dim, None
+                             f"S={seq}; got {list(c_shape)} (pass position_ids to gather from a table)")
+        return rotary_dim
     check_tensor("position_ids", position_ids, like=q, like_name="q", floating=False)
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise TypeError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
-    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, bsz):
-        raise ValueError(f"position_ids must be [S] or [B, S] with B={bsz}, S={seq}; got {list(position_ids.shape)}")
-    if cos.dim() != 2:
-        raise ValueError(f"with position_ids, cos/sin must be a [max_pos, {width}] table; got {list(cos.shape)}")
+    p_shape = position_ids.shape
+    if not (len(p_shape) == 1 and p_shape[0] == seq) and not (
+            len(p_shape) == 2 and p_shape[1] == seq and p_shape[0] in (1, bsz)):
+        raise ValueError(f"position_ids must be [S] or [B, S] with B={bsz}, S={seq}; got {list(p_shape)}")
+    if len(c_shape) != 2:
+        raise ValueError(f"with position_ids, cos/sin must be a [max_pos, {width}] table; got {list(c_shape)}")
     if position_ids.numel() and not torch.compiler.is_compiling():
         lo, hi = torch.aminmax(position_ids)
         lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= cos.shape[0]:
-            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the cos/sin table's length); "
+        if lo < 0 or hi >= c_shape[0]:
+            raise ValueError(f"position_ids must lie in [0, {c_shape[0]}) (the cos/sin table's length); "
                              f"got values in [{lo}, {hi}]")
-    return rotary_dim, position_ids.expand(bsz, seq)
+    return rotary_dim
 
 
 def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, inplace, q_dtype, k_dtype):
-    rotary_dim, position_ids = _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim)
+    rotary_dim = _check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim)
     if not use_kernels(q) or torch.float64 in (q.dtype, q_dtype) or (k is not None and k.dtype == torch.float64):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if position_ids is not None:
+            position_ids = (position_ids if position_ids.dim() == 2 else position_ids[None]).expand(
+                q.shape[0], q.shape[_DIMS[layout][1]])
         q_out, k_out = reference.apply_rope(q, k, cos, sin, position_ids=position_ids, layout=layout,
                                             interleaved=interleaved, rotary_dim=rotary_dim, compute_dtype=compute)
         if inplace:
@@ -340,26 +386,20 @@ def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, i
         return q_out.to(q_dtype), (None if k_out is None else k_out.to(k_dtype))
     if inplace and (q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1)):
         raise ValueError("inplace=True needs q and k with unit stride along the last dimension")
-    # The kernel sees [B, S, H, D] views and [B or 1, S, width] cos/sin (batch stride 0 to broadcast).
-    perm = (lambda t: t.transpose(1, 2)) if layout == "bhsd" else (lambda t: t)
-    qv = perm(_unit_last(q))
-    kv = None if k is None else perm(_unit_last(k))
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    if position_ids is None:
-        cos = cos.expand(qv.shape[0], qv.shape[1], cos.shape[-1])
-        sin = sin.expand(qv.shape[0], qv.shape[1], sin.shape[-1])
-    args = (cos, sin, position_ids, interleaved, rotary_dim)
+    # The kernel reads q/k (either layout) and cos/sin through their strides, as they come.
+    qu = _unit_last(q)
+    ku = None if k is None else _unit_last(k)
+    args = (_unit_last(cos), _unit_last(sin), position_ids, interleaved, rotary_dim)
     if inplace:
-        if not ROPE_INPLACE.needs_grad((qv, kv)):
-            ROPE_INPLACE(qv, kv, *args)  # the launcher, or the custom op under torch.compile
+        if not ROPE_INPLACE.needs_grad((qu, ku)):
+            ROPE_INPLACE(qu, ku, *args, layout)  # the launcher, or the custom op under torch.compile
             return q, k
         if not torch.compiler.is_compiling():
-            ROPE_INPLACE(qv, None, *args)
-            if kv is not None:
-                ROPE_INPLACE(kv, None, *args)
+            ROPE_INPLACE(qu, None, *args, layout)
+            if ku is not None:
+                ROPE_INPLACE(ku, None, *args, layout)
             return q, k
-    q_out, k_out = ROPE(qv, kv, *args, False, q_dtype, k_dtype)
-    q_out, k_out = perm(q_out), (None if k is None else perm(k_out))
+    q_out, k_out = ROPE(qu, ku, *args, False, q_dtype, k_dtype, layout)
     if inplace:  # under torch.compile: out of place, for the custom op's autograd, then copied
         return q.copy_(q_out), (None if k is None else k.copy_(k_out))
     return q_out, k_out
@@ -415,7 +455,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     Calls the kernel when the inputs fit it, else computes Hugging Face's formula in torch (other
     shapes, or cos/sin that need a gradient).
     """
-    layout = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}.get(unsqueeze_dim)
+    layout = _UNSQUEEZE_LAYOUTS.get(unsqueeze_dim)
     table = position_ids is not None and cos.dim() == 2
     fits = (layout is not None and q.dim() == 4 and (k is None or k.dim() == 4) and cos.shape[-1] == q.shape[-1]
             and (cos.dim() == 3 or table) and use_kernels(q)
@@ -424,6 +464,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         if table:
             cos, sin = cos[position_ids], sin[position_ids]
         return reference.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    c_dtype = cos.dtype
     return _apply_rope(q, k, cos, sin, position_ids if table else None, layout, False, None, False,
-                       torch.promote_types(q.dtype, cos.dtype),
-                       None if k is None else torch.promote_types(k.dtype, cos.dtype))
+                       _promoted(q.dtype, c_dtype), None if k is None else _promoted(k.dtype, c_dtype))
+
+
+_UNSQUEEZE_LAYOUTS = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
+
+
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if a == b else torch.promote_types(a, b)

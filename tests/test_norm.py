@@ -14,8 +14,9 @@ import triton.language as tl
 import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import _launch, _rowsplit
-from llmkernels.ops.norm import (BACKWARD, FORWARD, BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig,
-                                 SplitFwdConfig, backward_config, check_config, forward_config, launchers, norm_fwd)
+from llmkernels.ops.norm import (BACKWARD, BWD_PLANS, FORWARD, FWD_PLANS, BwdConfig, FwdConfig, NormConfig, NormKey,
+                                 SplitBwdConfig, SplitFwdConfig, backward_config, check_config, forward_config,
+                                 norm_fwd)
 from llmkernels.ops.norm.tables import (BWD_ONE_PASS_MAX, DECODE_PROGRAMS, FWD_ONE_PASS_MAX, WARP, below_power_of_two,
                                         five_eighths, fp16)
 from tests.conftest import INTERPRETED
@@ -371,14 +372,14 @@ def test_backward_decode_writes_dw_by_columns(is_rms, device):
         shapes = [(9, 300)]
     else:
         shapes = [(m, n) for n in (4096, 3000) for m in (1, 8, 37, 256)]
-    launchers.BWD_PLANS.clear()  # so that it holds the plans of these backwards alone
+    BWD_PLANS.clear()  # so that it holds the plans of these backwards alone
     for m, n in shapes:
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16),
                    None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16), config=config)
         check_norm(is_rms, x, torch.randn(n, device=device, dtype=torch.bfloat16), None, torch.randn_like(x),
                    prenorm=True, config=config)
-    assert max(plan.launch.options.get("DW_COLS", 0) for plan in launchers.BWD_PLANS.values()) > 0
+    assert max(plan.launch.options.get("DW_COLS", 0) for plan in BWD_PLANS.values()) > 0
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
@@ -783,3 +784,26 @@ def test_cached_launch_follows_alignment(device):
     for x in (base[:, :n].contiguous(), base[:, 1:], base[:, :n].contiguous()):
         ref = reference.rms_norm(x, w, compute_dtype=torch.float64)
         assert_close(lk.rms_norm(x, w), ref, _tol_dtype(torch.bfloat16, None, torch.bfloat16), "y")
+
+
+def test_launch_plans_are_made_once_per_key(device):
+    """A call's configuration, grids and kernel handles are resolved once per key (rows, width,
+    dtypes, device, switches, config) into a plan (FWD_PLANS / BWD_PLANS) and reused: the same
+    sizes on fresh data take the same plan objects, and the right answer; another dtype, width,
+    residual add or configuration makes a plan of its own."""
+    FWD_PLANS.clear()
+    BWD_PLANS.clear()
+    x, w = torch.randn(3, 100, device=device), torch.randn(100, device=device)
+    check_norm(True, x, w)
+    made = dict(FWD_PLANS), dict(BWD_PLANS)
+    assert [len(plans) for plans in made] == [1, 1]
+    check_norm(True, torch.randn_like(x), torch.randn_like(w))
+    for plans, before in zip((FWD_PLANS, BWD_PLANS), made):
+        assert plans.keys() == before.keys() and all(plans[key] is plan for key, plan in before.items())
+    check_norm(True, x.to(torch.bfloat16), w)
+    check_norm(True, x[:, :64], w[:64])
+    check_norm(True, x, w, None, torch.randn_like(x), prenorm=True)
+    check_norm(True, x, w, config=NormConfig(FwdConfig(2, 128, 4), BwdConfig(1, 128, 4)))
+    for plans in (FWD_PLANS, BWD_PLANS):
+        assert len(plans) == 5
+        assert {key[:3] for key in plans} == {(3, 100, torch.float32), (3, 100, torch.bfloat16), (3, 64, torch.float32)}

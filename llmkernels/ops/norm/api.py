@@ -61,7 +61,9 @@ def _norm_backward(ctx, bwd, dy, dh, *_):
                            xin, weight, None if bias_meta is None else bias_meta[1], mean, rstd, heads,
                            weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres,
                            config=ctx.backward_config)
-    return (dx, dw if weight is not None else None, None if bias_meta is None else db.view(bias_meta[0]),
+    if bias_meta is not None and len(bias_meta[0]) > 1:  # a per-head bias [H, D]
+        db = db.view(bias_meta[0])
+    return (dx, dw if weight is not None else None, None if bias_meta is None else db,
             dres if res_dtype is not None else None)
 
 

@@ -1,9 +1,10 @@
 """The launchers: the forward and backward of ``[M, N]`` rows.
 
 What a call launches (kernels, constexprs, grids, the exchange slots' shape) depends on the
-shapes, dtypes and switches of its arguments, not on their data: it is resolved once per such
-key into a plan (``forward_plan`` / ``backward_plan``), cached, and each call only allocates its
-outputs and launches the plan's cached kernel handles (``_launch.Launcher``).
+sizes, dtypes, device and switches of its arguments, not on their data: it is resolved once per
+such key into a plan (``FWD_PLANS`` / ``BWD_PLANS``, ``_launch.Plans``), and each call looks its
+plan up, allocates its outputs (and the scratch its kernels write: exchange slots, dW / dB
+partials) and launches the plan's kernel handles (``_launch.Launcher``).
 """
 from __future__ import annotations
 
@@ -11,17 +12,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _rowsplit
-from .._launch import Launcher, cdiv, fit_stages, launcher, next_pow2, persistent_programs, pointer, row_stride
+from .._launch import Launcher, Plans, cdiv, fit_stages, launcher, next_pow2, persistent_programs, pointer, row_stride
 from .._rowsplit import resident_registers, split_grid
 from .backward import _norm_bwd_dots_kernel, _norm_bwd_kernel, _norm_bwd_split_kernel, _sum_partials_kernel
 from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
                       BackwardConfig, ForwardConfig, SplitBwdConfig, SplitFwdConfig, check_config)
 from .forward import _norm_fwd_kernel, _norm_fwd_split_kernel
 from .tables import NormKey, backward_config, forward_config
-
-_MOST_PLANS = 4096  # plans cached per direction (rows vary with the batch); past it the cache starts over
-
 
 class FwdPlan(NamedTuple):
     """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
@@ -47,8 +44,9 @@ class BwdPlan(NamedTuple):
     sums_grid: tuple
 
 
-FWD_PLANS: dict = {}  # key -> FwdPlan (``forward_plan``)
-BWD_PLANS: dict = {}  # key -> BwdPlan (``backward_plan``)
+def _device(index: int) -> torch.device:
+    """The device of ``Tensor.get_device()``'s ``index`` (-1: the CPU, under the interpreter)."""
+    return torch.device("cpu") if index < 0 else torch.device("cuda", index)
 
 
 def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool, residual: bool, weight: bool,
@@ -81,25 +79,13 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
                     num_warps=config.num_warps)
 
 
-def forward_plan(x, weight, bias, residual, heads: int, is_rms: bool, quantize: bool, store_stats: bool,
-                 config: Optional[ForwardConfig] = None) -> FwdPlan:
-    """The plan of ``norm_fwd`` with these arguments (``config``: instead of ``FORWARD``'s)."""
-    key = (x.shape, x.dtype, x.device, heads, is_rms, quantize, store_stats, residual is None, weight is None,
-           bias is None, config, _rowsplit.ROW_SPLIT)
-    plan = FWD_PLANS.get(key)
-    if plan is None:
-        if len(FWD_PLANS) >= _MOST_PLANS:
-            FWD_PLANS.clear()
-        plan = FWD_PLANS[key] = _forward_plan(x, weight is not None, bias is not None, residual is not None, heads,
-                                               is_rms, quantize, store_stats, config)
-    return plan
-
-
-def _forward_plan(x, weight: bool, bias: bool, residual: bool, heads: int, is_rms: bool, quantize: bool,
-                  store_stats: bool, config: Optional[ForwardConfig]) -> FwdPlan:
-    m, n = x.shape
-    dev = x.device
-    key = NormKey(is_rms, x.dtype, residual, n, m, persistent_programs(dev, 1), heads == 1)
+def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: int, is_rms: bool, quantize: bool,
+                  store_stats: bool, residual: bool, weight: bool, bias: bool,
+                  config: Optional[ForwardConfig]) -> FwdPlan:
+    """The plan of a ``norm_fwd`` call (``residual``, ``weight``, ``bias``: whether each is there;
+    ``config``: instead of ``FORWARD``'s)."""
+    device = _device(device_index)
+    key = NormKey(is_rms, dtype, residual, n, m, persistent_programs(device, 1), heads == 1)
     if config is None:
         config = forward_config(key)
     else:
@@ -107,12 +93,15 @@ def _forward_plan(x, weight: bool, bias: bool, residual: bool, heads: int, is_rm
     switches = dict(is_rms=is_rms, residual=residual, weight=weight, bias=bias, quantize=quantize,
                     store_stats=store_stats, heads=heads)
     if isinstance(config, SplitFwdConfig):
-        split = split_grid(n, m, config.block_n, dev, config.per_sm) if key.split else None
+        split = split_grid(n, m, config.block_n, device, config.per_sm) if key.split else None
         if split is not None:
             parts, groups = split
             return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), (m, parts))
         config = forward_config(key._replace(split=False))
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
+
+
+FWD_PLANS = Plans(_forward_plan)
 
 
 def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: float, is_rms: bool,
@@ -129,7 +118,8 @@ def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: f
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    handle, grid, slots = forward_plan(x, weight, bias, residual, heads, is_rms, quantize, store_stats, config)
+    handle, grid, slots = FWD_PLANS[m, n, x.dtype, x.get_device(), heads, is_rms, quantize, store_stats,
+                                    residual is not None, weight is not None, bias is not None, config]
     if slots is None:
         handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
                pointer(mean, y), pointer(rstd, y), m, n, heads, x.stride(0), row_stride(residual), y.stride(0),
@@ -141,61 +131,48 @@ def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: f
     return y, h, mean, rstd
 
 
-def backward_plan(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], heads: int, is_rms: bool, quantize: bool,
-                  dres: bool, config: Optional[BackwardConfig] = None) -> BwdPlan:
-    """The plan of ``norm_bwd`` with these arguments (``dres``: a dresidual written apart from
-    dx; ``config``: instead of ``BACKWARD``'s)."""
-    key = (xin.shape, xin.dtype, xin.device, dy.dtype, None if dh is None else dh.dtype,
-           None if weight is None else weight.dtype, bias_dtype, heads, is_rms, quantize, dres, config,
-           _rowsplit.ROW_SPLIT)
-    plan = BWD_PLANS.get(key)
-    if plan is None:
-        if len(BWD_PLANS) >= _MOST_PLANS:
-            BWD_PLANS.clear()
-        plan = BWD_PLANS[key] = _backward_plan(dy, dh, xin, weight, bias_dtype is not None, heads, is_rms, quantize,
-                                                dres, config)
-    return plan
-
-
-def _backward_plan(dy, dh, xin, weight, bias: bool, heads: int, is_rms: bool, quantize: bool, dres: bool,
-                   config: Optional[BackwardConfig]) -> BwdPlan:
-    m, n = xin.shape
-    dev = xin.device
+def _backward_plan(m: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, dh_dtype: Optional[torch.dtype],
+                   w_dtype: Optional[torch.dtype], bias: bool, device_index: int, heads: int, is_rms: bool,
+                   quantize: bool, dres: bool, config: Optional[BackwardConfig]) -> BwdPlan:
+    """The plan of a ``norm_bwd`` call on ``xin`` of ``dtype`` (``dh_dtype`` / ``w_dtype``: None
+    where there is no dh / weight; ``dres``: a dresidual written apart from dx; ``config``: instead
+    of ``BACKWARD``'s)."""
+    device = _device(device_index)
     # (residual: the gradient of h flows in; the decode rows are measured for one weight row only)
-    key = NormKey(is_rms, xin.dtype, dh is not None, n, m, persistent_programs(dev, 1) if heads == 1 else 0,
+    key = NormKey(is_rms, dtype, dh_dtype is not None, n, m, persistent_programs(device, 1) if heads == 1 else 0,
                   heads == 1)
     if config is None:
         config = backward_config(key)
     else:
         check_config(config, n, backward=True)
     # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
-    row_bytes = xin.element_size() + dy.element_size() + (0 if dh is None else dh.element_size())
-    switches = dict(is_rms=is_rms, weight=weight is not None, bias=bias, dh=dh is not None, dres=dres,
+    row_bytes = dtype.itemsize + dy_dtype.itemsize + (0 if dh_dtype is None else dh_dtype.itemsize)
+    switches = dict(is_rms=is_rms, weight=w_dtype is not None, bias=bias, dh=dh_dtype is not None, dres=dres,
                     quantize=quantize)
     if isinstance(config, SplitBwdConfig):
-        split = split_grid(n, m, config.block_n, dev) if key.split else None
+        split = split_grid(n, m, config.block_n, device) if key.split else None
         if split is not None:
             parts, programs = split
-            handle = _bwd_launcher(config, parts, stages=fit_stages(config.stages, config.block_n * row_bytes, dev),
+            handle = _bwd_launcher(config, parts, stages=fit_stages(config.stages, config.block_n * row_bytes, device),
                                    **switches)
             return _with_sums(handle, (programs * parts,), (m + programs, parts, 2), None, programs, heads * n,
                               switches)
         config = backward_config(key._replace(split=False))
     chunks = 1 if config.one_pass else cdiv(n, config.block_n)
     programs = max(1, min(cdiv(m // heads, config.block_m),
-                          cdiv(persistent_programs(dev, config.per_sm), heads * chunks)))
+                          cdiv(persistent_programs(device, config.per_sm), heads * chunks)))
     if config.max_programs:
         programs = min(programs, config.max_programs)
     # Capped programs (decode sizes), one head and column chunk: each program of several also sums
     # dW / dB of its share of the columns over every row, so no partials.
     by_columns = config.max_programs and programs > 1 and heads == 1 and config.one_pass
     dw_cols = next_pow2(cdiv(n, programs)) if by_columns else 0
-    weight_bytes = 0 if weight is None else weight.element_size()
+    weight_bytes = 0 if w_dtype is None else w_dtype.itemsize
     stages = fit_stages(config.prefetch, (config.block_n + config.tail_n) * (config.block_m * row_bytes + weight_bytes),
-                        dev)
+                        device)
     handle = _bwd_launcher(config, stages=stages, heads=heads, dw_cols=dw_cols,
                            dw_rows=min(next_pow2(m), max(1, DW_STEP_ELEMENTS // dw_cols)) if dw_cols else 1, **switches)
-    dots = None if config.one_pass else launcher(_norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=weight is not None,
+    dots = None if config.one_pass else launcher(_norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=w_dtype is not None,
                                                  PER_HEAD=heads > 1, BLOCK_N=DOTS_BLOCK_N, num_warps=DOTS_WARPS)
     return _with_sums(handle, (programs, heads, chunks), None, dots, 1 if dw_cols else programs, heads * n,
                       switches)
@@ -209,6 +186,9 @@ def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches:
     sums = launcher(_sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
                     BLOCK_N=block_n, num_warps=SUMS_WARPS)
     return BwdPlan(handle, grid, slots, dots, partials, sums, (cdiv(columns, block_n),))
+
+
+BWD_PLANS = Plans(_backward_plan)
 
 
 def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd, heads: int, weight_offset: float,
@@ -230,8 +210,9 @@ def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
         dw = None if weight is None else torch.zeros((1, heads * n), dtype=weight.dtype, device=dev)[0]
         db = None if bias_dtype is None else torch.zeros((1, heads * n), dtype=bias_dtype, device=dev)[0]
         return dx, dres, None if dw is None else dw.view(weight.shape), db
-    plan = backward_plan(dy, dh, xin, weight, bias_dtype, heads, is_rms, quantize, dres is not None and dres is not dx,
-                         config)
+    plan = BWD_PLANS[m, n, xin.dtype, dy.dtype, None if dh is None else dh.dtype,
+                     None if weight is None else weight.dtype, bias_dtype is not None, xin.get_device(), heads, is_rms,
+                     quantize, dres is not None and dres is not dx, config]
     partials = plan.partials
     part_dtype = torch.float32 if partials > 1 else None
     dw_part = None if weight is None else torch.empty((partials, heads * n), dtype=part_dtype or weight.dtype,
@@ -260,4 +241,5 @@ def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
         db = None if bias_dtype is None else torch.empty(heads * n, dtype=bias_dtype, device=dev)
         plan.sums(plan.sums_grid, pointer(dw_part, db_part), pointer(db_part, dw_part), pointer(dw, db),
                   pointer(db, dw), partials, heads * n)
-    return dx, dres, None if dw is None else dw.view(weight.shape), db
+    # (dW is [heads * N]: a weight of that shape takes it as it is, a per-head one as a view)
+    return dx, dres, dw if dw is None or weight.dim() == 1 else dw.view(weight.shape), db

@@ -2,7 +2,7 @@
 timed as calls replayed from a CUDA graph (the GPU time alone, as ``llmkernels.bench``'s
 ``decode_graph`` timing). Forward with the statistics stored (as in training), backward with
 every gradient (dW/dB as the launcher writes them). Used to choose the decode rows of the tables
-in ``llmkernels/ops/norm/configs.py``: each candidate is passed to the launchers as ``config=``.
+in ``llmkernels/ops/norm/tables.py``: each candidate is passed to the launchers as ``config=``.
 
     python benchmarks/decode_sweep.py [--which fwd,bwd] [--ms 1,8,32]   # writes $OUT/decode_sweep.json (or ./)
     python benchmarks/decode_sweep.py --tiny --ms 2 --ops rms           # CPU, Triton's interpreter: checks the script
@@ -22,8 +22,9 @@ GRAPH_CALLS, REPLAYS = 20, 10
 
 
 def graph_us(fn) -> float:
-    """µs per call of ``GRAPH_CALLS`` calls of ``fn`` captured in one CUDA graph, median of ``REPLAYS``
-    after one that warms up (as the bench's decode timing)."""
+    """µs per call of ``GRAPH_CALLS`` calls of ``fn`` captured in one CUDA graph: the median of
+    ``REPLAYS`` replays, each between two events, after one that warms up (as the bench's decode
+    timing)."""
     side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -32,15 +33,13 @@ def graph_us(fn) -> float:
             for _ in range(GRAPH_CALLS):
                 fn()
     torch.cuda.current_stream().wait_stream(side)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS + 1):
-        start.record()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(REPLAYS + 2)]
+    events[0].record()
+    for event in events[1:]:
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times[1:])
+        event.record()
+    events[-1].synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 / GRAPH_CALLS for a, b in zip(events[1:], events[2:]))
 
 
 def wall_us(fn) -> float:

@@ -2,7 +2,7 @@
 
 Times the launchers directly (no autograd; ``llmkernels.ops.norm.norm_fwd`` / ``norm_bwd`` with
 ``config=``), M = 2^27 / N rows (256 MiB per bf16 tensor), against the device-to-device copy
-measured in the same run. Used to choose the tables of ``llmkernels/ops/norm/configs.py``;
+measured in the same run. Used to choose the tables of ``llmkernels/ops/norm/tables.py``;
 results go to ``$OUT/tune_norm_<what>_<op>.json`` (or ``--out``).
 
     python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd] [--dtypes bf16,fp32]

@@ -136,7 +136,7 @@ def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
         "glu": (dict(gate=randn(m, i), up=randn(m, i)), ("gate", "up"), dict(
             llmkernels=lambda gate, up: lk.glu(gate, up),
             torch=lambda gate, up: F.silu(gate) * up,
-            liger=liger and _liger("swiglu", "LigerSiLUMulFunction", lambda f: f))),
+            liger=liger and _liger("swiglu", "LigerSiLUMulFunction", lambda f: lambda gate, up: f(gate, up)))),
         "cross_entropy": (dict(logits=randn(m, v, scale=2.0)), ("logits",), dict(
             llmkernels=lambda logits: lk.cross_entropy(logits, target),
             llmkernels_unchecked=lambda logits: lk.cross_entropy(logits, target, check_targets=False),

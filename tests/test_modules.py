@@ -145,8 +145,9 @@ def test_fused_add_rmsnorm(dtype, device):
 @pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"elementwise_affine": False}], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layernorm_matches_torch(kwargs, dtype, device):
-    theirs = random_weight(nn.LayerNorm(96, **kwargs)).to(device)
-    mine = lk.LayerNorm(96, **kwargs).to(device)
+    # (parameters in the input's dtype, as in a model cast to it: torch's CUDA LayerNorm takes no other)
+    theirs = random_weight(nn.LayerNorm(96, **kwargs)).to(device, dtype)
+    mine = lk.LayerNorm(96, **kwargs).to(device, dtype)
     assert isinstance(mine, nn.LayerNorm) and list(mine.state_dict()) == list(theirs.state_dict())
     mine.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 7, 96, device=device, dtype=dtype)

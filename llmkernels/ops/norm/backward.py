@@ -64,7 +64,7 @@ def _norm_bwd_kernel(
     (one head and column chunk: decode sizes), instead of partials, dW/dB themselves (DW_PART /
     DB_PART, their dtypes) for columns [p * DW_COLS, (p + 1) * DW_COLS) over every row: those
     need x and dy but not dx, so no program waits for another and no second launch sums
-    partials (``_sum_partials_kernel``, 2 us more inside a CUDA graph on H100).
+    partials (``_sum_partials_kernel``, a launch more).
 
     Grid: (programs, heads, column chunks). Program p of head h owns rows
     ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row

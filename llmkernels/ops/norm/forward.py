@@ -268,8 +268,7 @@ def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y
                      QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
     """Read row ``row``'s slice again (x, or h with a residual), collect the row's sums from its
     slots and write y of the slice (part 0: and the row's statistics). The read goes first: it
-    is in flight while the program waits on the slots (H100, bf16, 65536 / 131072: LayerNorm 95.9 /
-    95.3% of copy against 94.4 / 94.1 read after the wait; RMSNorm 96.4 / 95.7 against 95.1 / 94.9)."""
+    is in flight while the program waits on the slots (measured: benchmarks/RESULTS.md 1.2)."""
     if HAS_RES:
         x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     else:

@@ -115,7 +115,9 @@ def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
             return [(root.name, root)]
         return sorted((p.relative_to(root).as_posix(), p) for p in _walk(root, set()) if p.is_file())
     roots = python_roots()
-    others = {p for p in roots.values()}
+    # (in a virtual environment the base interpreter's own site-packages sits inside the standard
+    # library's folder without being a root: its packages are not the standard library)
+    others = {p for p in roots.values()} | {roots["stdlib"] / d for d in ("site-packages", "dist-packages")}
     files = []
     for label, root in roots.items():
         for p in _walk(root, others - {root}):

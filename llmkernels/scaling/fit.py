@@ -309,11 +309,11 @@ def extrapolation(runs: list[dict], starts=None) -> dict:
         out["approach3"] = p3["y_min"]
         out["approach3_error"] = None if not (p3["ok"] and measured["ok"]) else p3["y_min"] - measured["y_min"]
         out["approach3_fit"] = {k: f3[k] for k in ("E", "A", "B", "alpha", "beta", "a", "b")}
-    law = optimal_loss_law(budget_optima(rest))
+    a2 = approach2(rest)
+    law = optimal_loss_law(a2["optima"])
     if law["ok"] and measured["ok"]:
         out["loss_law"] = law["E"] + law["A"] * top ** -law["gamma"]
         out["loss_law_error"] = out["loss_law"] - measured["y_min"]
-    a2 = approach2(rest)
     if a2["fit_n"]["ok"]:
         out["n_opt_predicted"] = a2["fit_n"]["coef"] * top ** a2["fit_n"]["exponent"]
         out["n_opt_measured"] = measured["n_opt"]

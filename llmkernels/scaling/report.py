@@ -199,7 +199,7 @@ def markdown(info: dict, an: dict, results: list[dict], meta: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # figures
 # --------------------------------------------------------------------------------------------
-def plots(an: dict, results: list[dict], lr_runs: list[dict], out: Path) -> list[str]:
+def plots(an: dict, results: list[dict], out: Path) -> list[str]:
     """Write the PNGs; returns their names ([] without matplotlib)."""
     try:
         import matplotlib
@@ -300,10 +300,9 @@ def plots(an: dict, results: list[dict], lr_runs: list[dict], out: Path) -> list
     return written
 
 
-def write(info: dict, results: list[dict], lr_runs: list[dict], lr_rule: dict | None, meta: dict, out: Path,
-          n_boot: int) -> dict:
+def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out: Path, n_boot: int) -> dict:
     an = analyse(results, lr_rule, meta, n_boot)
-    an["figures"] = plots(an, results, lr_runs, out)
+    an["figures"] = plots(an, results, out)
     report = {"info": info, "data": meta, "analysis": an,
               "runs": [{k: v for k, v in r.items() if k not in ("history", "key")} for r in results]}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))

@@ -125,9 +125,10 @@ class Session:
             return False
 
     def train_config(self, run) -> TrainConfig:
-        a = self.args
+        a, hp = self.args, self.hp
         return TrainConfig(steps=run.steps, batch_size=run.batch_size, lr=run.lr, warmup_steps=run.warmup_steps,
-                           weight_decay=a.weight_decay, beta2=run.beta2, seed=run.seed, eval_tokens=a.eval_tokens,
+                           min_lr_ratio=hp.min_lr_ratio, weight_decay=hp.weight_decay, beta2=run.beta2,
+                           grad_clip=hp.grad_clip, seed=run.seed, eval_tokens=a.eval_tokens,
                            curve_points=a.curve_points, curve_eval_tokens=a.curve_eval_tokens)
 
     def key(self, run, tcfg) -> dict:
@@ -200,7 +201,7 @@ class Session:
             corpus = self.prepare_data()
             self.meta = corpus.meta
         self.fingerprint = self.meta["fingerprint"]
-        design, hp, ladder = design_from(a)
+        design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
         models = ladder_models(vocab, a.seq_len, a.head_dim, ladder)
         if corpus is not None:
@@ -214,7 +215,7 @@ class Session:
             rule = LRRule(c=a.lr, gamma=a.lr_gamma, source="--lr")
             lr_fit = {"ok": True, "c": rule.c, "gamma": rule.gamma, "kappa": rule.kappa, "groups": [], "source": "--lr"}
         else:
-            lr_runs = design.lr_sweep(models, LRRule(), hp)
+            lr_runs = design.lr_sweep(models, LRRule(), self.hp)
             lr_results, missing = self.execute(lr_runs, "lr")
             if missing:
                 return self.incomplete(missing)
@@ -227,13 +228,13 @@ class Session:
             rule = _read_rule(self.out) or LRRule()
             lr_fit["source"] = rule.source
             self.log(f"learning-rate rule: c = {rule.c:.3g}, gamma = {rule.gamma:.3f} ({rule.source})")
-        runs = design.main_runs(models, rule, hp)
+        runs = design.main_runs(models, rule, self.hp)
         results, missing = self.execute(runs, "sweep")
         status = 0
         if missing:
             status = self.incomplete(missing)
         if self.rank == 0 and sum(r["stage"] == "sweep" for r in results) >= 3:
-            self.write_report(results, lr_results, lr_fit)
+            self.write_report(results, lr_fit)
         self.log(f"total wall-clock {_fmt_seconds(time.perf_counter() - self.t_start)}")
         self.barrier()
         if self.dist is not None:
@@ -246,7 +247,7 @@ class Session:
                  + ("rerun the same command to resume" if not self.args.fit_only else "train them first"))
         return EXIT_INCOMPLETE
 
-    def write_report(self, results: list[dict], lr_results: list[dict], lr_fit: dict):
+    def write_report(self, results: list[dict], lr_fit: dict):
         here = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else (platform.processor() or "cpu")
         device_name = ", ".join(sorted({r["device"] for r in results})) + ("" if not self.args.fit_only else
                                                                         f" (fitted on {here})")
@@ -260,7 +261,7 @@ class Session:
                 "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
                 "world_size": self.world, "captured": sorted({r["captured"] for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
-        an = report.write(info, results, lr_results, lr_fit, self.meta, self.out, self.args.bootstrap)
+        an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap)
         boot = an["bootstrap"] or {}
 
         def ci(k):

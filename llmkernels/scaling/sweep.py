@@ -142,10 +142,6 @@ def _write_json(path: Path, obj):
     os.replace(tmp, path)
 
 
-def _fmt_seconds(s: float) -> str:
-    return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
-
-
 def print_plan(args, out=print) -> int:
     """``--list``: the plan from the file sizes alone (no data built, no torch)."""
     design, hp, ladder = design_from(args)

@@ -5,6 +5,7 @@ import torch
 
 import llmkernels
 from llmkernels import reference
+from llmkernels.ops import rope as rope_ops
 
 from tests.conftest import DEVICE, INTERPRETED
 from llmkernels.bench.runner import poisoned
@@ -286,6 +287,17 @@ def test_torch_compile_fullgraph():
         q2, k2 = q.detach().clone(), k.detach().clone()
         compiled(q2, k2, True)
     assert torch.equal(q2, want[0]) and torch.equal(k2, want[1])
+
+
+def test_rope_custom_op_opcheck_on_strided_halves():
+    """The fake kernel allocates as the real one (torch.compile trusts its strides): q and k as the
+    halves of a fused [B, H, S, 2D] projection, which are not dense."""
+    b, h, s, d = 2, 4, 8, 16
+    cos, sin = rope_tables(s, d)
+    fused = torch.randn(b, h, s, 2 * d, device=DEVICE)
+    q, k = fused[..., :d], fused[..., d:]
+    torch.library.opcheck(rope_ops.ROPE.op,
+                          (q, k, cos[None], sin[None], None, False, d, False, q.dtype, k.dtype, "bhsd"))
 
 
 def _bad_cases():

@@ -252,7 +252,7 @@ def _unit_last(t):
 
 
 def _rope_fake(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout):
-    return torch.empty_like(q, dtype=q_dtype), None if k is None else torch.empty_like(k, dtype=k_dtype)
+    return _empty_like(q, q_dtype, layout), None if k is None else _empty_like(k, k_dtype, layout)
 
 
 def _rope_setup(ctx, inputs, outputs):

@@ -133,6 +133,12 @@ def pointer(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     return stand_in if t is None else t
 
 
+def device_of(index: int) -> torch.device:
+    """The device of ``Tensor.get_device()``'s ``index`` (-1: the CPU, under the interpreter), for
+    plans keyed on the index."""
+    return torch.device("cpu") if index < 0 else torch.device("cuda", index)
+
+
 def row_stride(t: torch.Tensor | None) -> int:
     """``t.stride(0)``, or 0 for an absent ``t`` (a stride the kernel then never uses)."""
     return 0 if t is None else t.stride(0)

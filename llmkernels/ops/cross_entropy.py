@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from ._launch import (Plans, cdiv, check_tensor, launcher, next_pow2, persistent_programs, pointer,
+from ._launch import (Plans, cdiv, check_tensor, device_of, launcher, next_pow2, persistent_programs, pointer,
                       row_stride, use_kernels)
 from ._register import Op
 from ._rowsplit import collect, publish, row_slice, split_grid
@@ -606,7 +606,7 @@ def _rows_plan(m: int, v: int, forward: bool, grad: bool, has_g: bool, mean: boo
     ``run(logits, target, lse, loss, z_loss, dlogits, grad_output, count, ignore_index, smoothing,
     z_coef, cap)``."""
     config = config or DEFAULT_CONFIG
-    device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+    device = device_of(device_index)
     switches = dict(HAS_SMOOTHING=has_smoothing, HAS_SOFTCAP=has_softcap)
     parts, span = split_forward_parts(v, m, config) if forward and not grad else (1, v)
     if parts > 1:
@@ -659,7 +659,7 @@ _ROWS = Plans(_rows_plan)
 def _scale_plan(r: int, n: int, device_index: int):
     block_n = min(4096, max(16, next_pow2(n)))
     block_r = max(1, 4096 // block_n)
-    device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+    device = device_of(device_index)
     programs = min(cdiv(r, block_r), persistent_programs(device, 8))
     return launcher(_scale_rows_kernel, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8), (programs,)
 

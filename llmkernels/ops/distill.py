@@ -273,7 +273,7 @@ def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
     chunk = chunk_rows(m, v, size, student_hidden.device, chunk_size, LOW_MEMORY_CHUNK_BYTES if low else CHUNK_BYTES)
     options = dict(kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index)
     _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, chunk=chunk,
-             grads=(gh, gw), scale=scale, grad=need[0] or not low, **options)
+             grads=(gh, gw), scale=scale, grad=gh is not None or gw is not None, **options)
     if need[1] and low:
         gw = _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats,
                                    scale, chunk=chunk, **options)
@@ -291,7 +291,7 @@ def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_wei
     fused = reduction != "none" and any(need)
     count = scale = None
     if fused and reduction == "mean":
-        count = (torch.tensor(m, device=dev) if target is None else count_rows(target, ignore_index))
+        count = (torch.full((), m, dtype=torch.int64, device=dev) if target is None else count_rows(target, ignore_index))
         scale = 1.0 / count.to(torch.float32)
     gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
                     kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,

@@ -34,10 +34,11 @@ from typing import Callable, Optional
 import torch
 
 from .. import reference
-from ._launch import cdiv, use_kernels
+from ._launch import use_kernels
 from ._register import Op
 from .cross_entropy import (ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
                             package_output, row_buffers, scale_rows_, start_target_check)
+from . import vocab_chunks
 from .vocab_chunks import accumulate_mm, aligned_cols, check_head, grads_by_vocab_chunks
 
 ROWS_PER_CHUNK = 2048
@@ -47,16 +48,10 @@ MEMORY_MODES = ("fast", "low")
 
 def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int],
                memory: str = "fast") -> int:
-    """Rows per chunk (see the module docstring); ``chunk_size`` overrides."""
-    if m == 0:
-        return 1
-    if chunk_size is not None:
-        return min(chunk_size, m)
-    rows = min(m, ROWS_PER_CHUNK if memory == "fast" else max(1, LOW_MEMORY_CHUNK_BYTES // (v * element_size)))
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        rows = max(1, min(rows, free // (4 * v * element_size)))
-    return cdiv(m, cdiv(m, rows))
+    """Rows per chunk (see the module docstring): ``ROWS_PER_CHUNK`` rows, or (``memory="low"``)
+    ``LOW_MEMORY_CHUNK_BYTES`` of logits; ``chunk_size`` overrides."""
+    chunk_bytes = ROWS_PER_CHUNK * v * element_size if memory == "fast" else LOW_MEMORY_CHUNK_BYTES
+    return vocab_chunks.chunk_rows(m, v, element_size, device, chunk_size, chunk_bytes)
 
 
 def _chunked(hidden, weight, target, bias, lse, *, chunk: int, grads: tuple, g=None, count=None,

@@ -108,7 +108,8 @@ def _logp_backward_launcher(grad_logp, grad_entropy, hidden, weight, target, bia
           else grad_logp.to(torch.float32))
     g2 = None if grad_entropy is None or mu is None else grad_entropy.to(torch.float32)
     # (A, B, C, D) = (-g1, -g2, unused, -g1): G = inv_T (g1 onehot - p (g1 + g2 (z - mu)))
-    coefs = torch.stack((-g1, -g1 if g2 is None else -g2, -g1, -g1))
+    n1 = -g1
+    coefs = torch.stack((n1, n1 if g2 is None else -g2, n1, n1))
     return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu,
                                  need=tuple(need), ignore_index=ignore_index, inv_temp=1.0 / temperature,
                                  cols=vocab_chunk_size)

@@ -12,7 +12,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._launch import Launcher, Plans, cdiv, fit_stages, launcher, next_pow2, persistent_programs, pointer, row_stride
+from .._launch import (Launcher, Plans, cdiv, device_of, fit_stages, launcher, next_pow2, persistent_programs,
+                       pointer, row_stride)
 from .._rowsplit import resident_registers, split_grid
 from .backward import _norm_bwd_dots_kernel, _norm_bwd_kernel, _norm_bwd_split_kernel, _sum_partials_kernel
 from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
@@ -42,11 +43,6 @@ class BwdPlan(NamedTuple):
     partials: int
     sums: Optional[Launcher]
     sums_grid: tuple
-
-
-def _device(index: int) -> torch.device:
-    """The device of ``Tensor.get_device()``'s ``index`` (-1: the CPU, under the interpreter)."""
-    return torch.device("cpu") if index < 0 else torch.device("cuda", index)
 
 
 def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool, residual: bool, weight: bool,
@@ -84,7 +80,7 @@ def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: 
                   config: Optional[ForwardConfig]) -> FwdPlan:
     """The plan of a ``norm_fwd`` call (``residual``, ``weight``, ``bias``: whether each is there;
     ``config``: instead of ``FORWARD``'s)."""
-    device = _device(device_index)
+    device = device_of(device_index)
     key = NormKey(is_rms, dtype, residual, n, m, persistent_programs(device, 1), heads == 1)
     if config is None:
         config = forward_config(key)
@@ -137,7 +133,7 @@ def _backward_plan(m: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, dh
     """The plan of a ``norm_bwd`` call on ``xin`` of ``dtype`` (``dh_dtype`` / ``w_dtype``: None
     where there is no dh / weight; ``dres``: a dresidual written apart from dx; ``config``: instead
     of ``BACKWARD``'s)."""
-    device = _device(device_index)
+    device = device_of(device_index)
     # (residual: the gradient of h flows in; the decode rows are measured for one weight row only)
     key = NormKey(is_rms, dtype, dh_dtype is not None, n, m, persistent_programs(device, 1) if heads == 1 else 0,
                   heads == 1)

@@ -11,35 +11,19 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import time
 
 import torch
 
 N = 4096
 OPS = {"rms": (True, False), "ln": (False, False), "add_rms": (True, True)}  # (RMSNorm?, residual?)
-GRAPH_CALLS, REPLAYS = 20, 10
 
 
 def graph_us(fn) -> float:
-    """µs per call of ``GRAPH_CALLS`` calls of ``fn`` captured in one CUDA graph: the median of
-    ``REPLAYS`` replays, each between two events, after one that warms up (as the bench's decode
-    timing)."""
-    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn(), fn()  # warm-up: compilation, allocations
-        with torch.cuda.graph(graph, stream=side):
-            for _ in range(GRAPH_CALLS):
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(REPLAYS + 2)]
-    events[0].record()
-    for event in events[1:]:
-        graph.replay()
-        event.record()
-    events[-1].synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 / GRAPH_CALLS for a, b in zip(events[1:], events[2:]))
+    """µs per call of ``fn`` replayed from a CUDA graph, timed as the bench's decode cells are."""
+    from llmkernels.bench.runner import graph_latency_ms
+
+    return 1e3 * graph_latency_ms(lambda: fn)
 
 
 def wall_us(fn) -> float:

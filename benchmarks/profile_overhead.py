@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import llmkernels as lk  # noqa: E402
+from llmkernels import reference  # noqa: E402
 from llmkernels.bench.registry import Unavailable, liger_function  # noqa: E402
 
 # (N, I, heads q/k and head dim, V, LM-head hidden size and vocabulary) of the full run and of --tiny.
@@ -86,17 +87,6 @@ def _hf_rms(x, w):
     return w * h.to(x.dtype)
 
 
-def _rotate_half(t):
-    half = t.shape[-1] // 2
-    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-
-
-def _hf_rope(q, k, cos, sin):
-    """Hugging Face's Llama ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
     """name -> (inputs, names of the inputs that take gradients, {provider: fn(**inputs)}); the
     ``torch`` provider is what the op replaces in a model (Liger's only on a GPU)."""
@@ -131,7 +121,7 @@ def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
                                    lambda f: lambda x, r, w: f(x, r, w, 1e-6, 0.0, "llama", False)))),
         "rope": (rope_in, ("q", "k"), dict(
             llmkernels=lambda q, k, cos, sin: lk.apply_rope(q, k, cos, sin),
-            torch=_hf_rope,
+            torch=reference.hf_apply_rotary_pos_emb,  # Hugging Face's Llama formula
             liger=liger and _liger_rope())),
         "glu": (dict(gate=randn(m, i), up=randn(m, i)), ("gate", "up"), dict(
             llmkernels=lambda gate, up: lk.glu(gate, up),

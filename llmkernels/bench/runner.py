@@ -146,7 +146,7 @@ def _capture(make_timed, calls: int):
     return graph
 
 
-def _graph_latency_ms(make_timed) -> float:
+def graph_latency_ms(make_timed) -> float:
     """Per-call GPU time of ``GRAPH_CALLS`` calls of ``make_timed()`` captured in one CUDA graph."""
     graph = _capture(make_timed, GRAPH_CALLS)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -427,7 +427,7 @@ class Runner:
                         graph_record = dict(record, kind="decode_graph")
                         self.records.append(graph_record)
                         try:
-                            self._timed(graph_record, _graph_latency_ms(lambda: case.timed(fn, mode, provider.mutates)))
+                            self._timed(graph_record, graph_latency_ms(lambda: case.timed(fn, mode, provider.mutates)))
                         except Exception as exc:  # a provider that cannot be captured is reported
                             graph_record.update(status="error", ms=None, us=None, gbps=None, pct_copy=None,
                                                 note=f"CUDA graph capture: {_short(exc)}")

@@ -289,6 +289,18 @@ def test_torch_compile_fullgraph():
     assert torch.equal(q2, want[0]) and torch.equal(k2, want[1])
 
 
+def test_torch_compile_without_k():
+    """apply_rope(q, None, ...) under torch.compile: q's output and gradient as eager, k None."""
+    backend = "aot_eager" if INTERPRETED else "inductor"
+    cos, sin = rope_tables(8, 16)
+    q = torch.randn(2, 4, 8, 16, device=DEVICE, requires_grad=True)
+    fn = lambda q: llmkernels.apply_rope(q, None, cos, sin)  # noqa: E731
+    (got, k_out), (want, _) = torch.compile(fn, fullgraph=True, backend=backend)(q), fn(q)
+    assert k_out is None and torch.equal(got, want)
+    dy = torch.randn_like(want)
+    assert torch.equal(torch.autograd.grad(got, q, dy)[0], torch.autograd.grad(want, q, dy)[0])
+
+
 def test_rope_custom_op_opcheck_on_strided_halves():
     """The fake kernel allocates as the real one (torch.compile trusts its strides): q and k as the
     halves of a fused [B, H, S, 2D] projection, which are not dense."""

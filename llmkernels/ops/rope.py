@@ -399,10 +399,10 @@ def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, i
             if ku is not None:
                 ROPE_INPLACE(ku, None, *args, layout)
             return q, k
-    q_out, k_out = ROPE(qu, ku, *args, False, q_dtype, k_dtype, layout)
+    q_out, k_out = ROPE(qu, ku, *args, False, q_dtype, k_dtype or q_dtype, layout)  # (no None dtype in the schema)
     if inplace:  # under torch.compile: out of place, for the custom op's autograd, then copied
         return q.copy_(q_out), (None if k is None else k.copy_(k_out))
-    return q_out, k_out
+    return q_out, (None if k is None else k_out)  # (under torch.compile an absent k comes back as a placeholder)
 
 
 def apply_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,

@@ -173,9 +173,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     """``cross_entropy(hidden @ weight.T + bias, target, ...)``; see
     ``llmkernels.linear_cross_entropy``. Returns ``(loss, z_loss_part, lse)`` as ``cross_entropy``,
     the first two in float32 (float64 for float64 inputs)."""
-    logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
-    if bias is not None:
-        logits = logits + bias.to(compute_dtype)
+    logits = _linear_logits(hidden, weight, bias, 1.0, compute_dtype)
     loss, z, lse = cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                  label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                  compute_dtype=compute_dtype)

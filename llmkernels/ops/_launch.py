@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Optional
 
 import torch
 
@@ -175,12 +174,10 @@ def _generated(name: str, kinds: tuple, term) -> object:
     return namespace[name]
 
 
-def _fingerprint(args, kinds: Optional[tuple] = None):
-    """The function ``(device, *args) -> key`` for arguments of the kinds of ``args`` (tensor
-    or number at each position; a kernel's signature fixes them). A number's key holds its class
-    too, so an int, a bool and a float never share one. It raises (AttributeError, TypeError)
-    for a tensor where it expects a number or the reverse, and ``_generic_key`` takes over."""
-    kinds = kinds or _kinds(args)
+def _fingerprint(kinds: tuple):
+    """The function ``(device, *args) -> key`` for arguments of ``kinds`` (``_kinds``: tensor or
+    number at each position; a kernel's signature fixes them). A number's key holds its class
+    too, so an int, a bool and a float never share one."""
     fingerprint = _FINGERPRINTS.get(kinds)
     if fingerprint is None:
         number = "({a}.__class__, {a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF)"
@@ -289,7 +286,7 @@ class Launcher:
         it."""
         kinds = _kinds(args)
         if self._kinds is None:  # the first call fixes the kinds the fast look-ups expect
-            self._kinds, self._fingerprint, self._values = kinds, _fingerprint(args, kinds), _values(kinds)
+            self._kinds, self._fingerprint, self._values = kinds, _fingerprint(kinds), _values(kinds)
         if kinds == self._kinds:
             key, values = self._fingerprint(device, *args), self._values(device, *args)
         else:  # (arguments of other kinds, e.g. None for a tensor: looked up by a slower key, kept by it only)

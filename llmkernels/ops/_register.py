@@ -132,7 +132,7 @@ class Op:
         self.setup, self.backward, self.grad_inputs = setup, backward, grad_inputs
         self.backward_launcher = backward_launcher
         self.returns, self.non_differentiable, self.once = returns, non_differentiable, once
-        self.mutates, self.base = mutates, base
+        self.base = base
         # positions of the mutated arguments, from the schema's names
         self._mutated = tuple(_argument_names(schema).index(m) for m in mutates)
         self.function = self._autograd_function(name, once_differentiable)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .model import GPT, ops_run
-from .plan import ModelConfig
+from .plan import HParams, ModelConfig
 
 # bf16 dense peak of the tensor cores (vendor datasheets, SXM parts) for the MFU column.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -50,11 +50,11 @@ class TrainConfig:
     batch_size: int
     lr: float
     warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
+    min_lr_ratio: float = HParams.min_lr_ratio
+    weight_decay: float = HParams.weight_decay
     beta1: float = 0.9
     beta2: float = 0.99
-    grad_clip: float = 1.0
+    grad_clip: float = HParams.grad_clip
     seed: int = 0
     eval_tokens: int = 1 << 20
     curve_points: int = 10

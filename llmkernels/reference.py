@@ -138,7 +138,7 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 # Cross-entropy and fused linear cross-entropy
 # --------------------------------------------------------------------------------------------
 def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                  softcap=None, compute_dtype=torch.float32):
+                  softcap=None, check_targets=True, compute_dtype=torch.float32):
     """Cross-entropy of ``logits [M, V]`` against ``target [M]``; see ``llmkernels.cross_entropy``.
 
     Returns ``(loss, z_loss_part, lse)``: the loss (including ``z_loss * lse**2``) and the z-loss
@@ -150,16 +150,16 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     z = logits.to(compute_dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    valid = _valid_rows(target, v, ignore_index)
+    valid, in_range = _target_rows(target, v, ignore_index, check_targets)
     lse = torch.logsumexp(z, dim=-1)
-    z_target = z.gather(-1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    z_target = z.gather(-1, torch.where(valid & in_range, target, 0).long()[:, None])[:, 0]
     # (1 - eps) * (lse - z[target]) + eps * mean_j (lse - z[j])
     rows = lse - (1.0 - label_smoothing) * z_target
     if label_smoothing > 0:
         rows = rows - label_smoothing * z.mean(-1)
     z_rows = z_loss * lse * lse
-    rows = torch.where(valid, rows + z_rows, 0.0)
-    z_rows = torch.where(valid, z_rows, 0.0)
+    rows = _poisoned(rows + z_rows, valid, in_range)
+    z_rows = _poisoned(z_rows, valid, in_range)
     if reduction == "mean":
         n = valid.sum()
         rows, z_rows = rows.sum() / n, z_rows.sum() / n
@@ -169,14 +169,15 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None, compute_dtype=torch.float32):
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, check_targets=True,
+                         compute_dtype=torch.float32):
     """``cross_entropy(hidden @ weight.T + bias, target, ...)``; see
     ``llmkernels.linear_cross_entropy``. Returns ``(loss, z_loss_part, lse)`` as ``cross_entropy``,
     the first two in float32 (float64 for float64 inputs)."""
     logits = _linear_logits(hidden, weight, bias, 1.0, compute_dtype)
     loss, z, lse = cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                  label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                 compute_dtype=compute_dtype)
+                                 check_targets=check_targets, compute_dtype=compute_dtype)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
     return loss.to(out_dtype), z.to(out_dtype), lse
 
@@ -218,34 +219,44 @@ def _linear_logits(hidden, weight, bias, temperature, compute_dtype):
     return logits / temperature
 
 
-def _valid_rows(target, v, ignore_index):
-    """Rows whose target is not ``ignore_index``; ValueError for a target outside ``[0, v)``."""
+def _target_rows(target, v, ignore_index, check_targets=True):
+    """``(valid, in_range)``: rows whose target is not ``ignore_index``, and rows whose target is
+    in ``[0, v)``. ``check_targets``: ValueError for a valid row whose target is out of range
+    (else that row's outputs and gradient are NaN: :func:`_poisoned`)."""
     valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= v))
-    if bad.any():
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and is "
-                         f"not ignore_index ({ignore_index})")
-    return valid
+    in_range = (target >= 0) & (target < v)
+    if check_targets:
+        bad = valid & ~in_range
+        if bad.any():
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and "
+                             f"is not ignore_index ({ignore_index})")
+    return valid, in_range
+
+
+def _poisoned(rows, valid, in_range):
+    """``rows`` with 0 where not ``valid`` and NaN, value and gradient, where the target is out
+    of range (a product, not a ``where``, so that the NaN reaches the gradient too)."""
+    return torch.where(valid, rows * torch.where(valid & ~in_range, math.nan, 1.0), 0.0)
 
 
 def _plogq(p, log_q):
-    """``p * log_q`` with 0 where ``p`` is 0 (classes masked to -inf)."""
-    return torch.where(p > 0, p * log_q, 0.0)
+    """``p * log_q`` with 0 where ``p`` is 0 (classes masked to -inf); NaN stays NaN."""
+    return torch.where(p == 0, 0.0, p * log_q)
 
 
-def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, ignore_index=-100,
+def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, ignore_index=-100, check_targets=True,
                      compute_dtype=torch.float32):
     """Per-token ``log p(target)`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``;
     see ``llmkernels.linear_log_probs``. Returns ``(logp [M], entropy [M])`` in float32 (float64
     for float64 inputs), both 0 on rows whose target is ``ignore_index``."""
     z = _linear_logits(hidden, weight, bias, temperature, compute_dtype)
-    valid = _valid_rows(target, z.shape[-1], ignore_index)
+    valid, in_range = _target_rows(target, z.shape[-1], ignore_index, check_targets)
     log_p = torch.log_softmax(z, dim=-1)
-    logp = log_p.gather(-1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    logp = log_p.gather(-1, torch.where(valid & in_range, target, 0).long()[:, None])[:, 0]
     entropy = -_plogq(log_p.exp(), log_p).sum(-1)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    return torch.where(valid, logp, 0.0).to(out_dtype), torch.where(valid, entropy, 0.0).to(out_dtype)
+    return _poisoned(logp, valid, in_range).to(out_dtype), _poisoned(entropy, valid, in_range).to(out_dtype)
 
 
 def distill_divergence(student_log_q, teacher_log_p, *, kind="jsd", beta=0.5):
@@ -264,16 +275,18 @@ def distill_divergence(student_log_q, teacher_log_p, *, kind="jsd", beta=0.5):
 
 
 def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *, kind="jsd",
-                        beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean", compute_dtype=torch.float32):
+                        beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean", check_targets=True,
+                        compute_dtype=torch.float32):
     """Distillation loss between the student's and the teacher's ``softmax(hidden @ weight.T /
     temperature)``; see ``llmkernels.linear_distill_loss``. Rows whose ``target`` is
-    ``ignore_index`` contribute 0 (``mean`` divides by the other rows). Float32 (float64 for
-    float64 inputs)."""
+    ``ignore_index`` contribute 0 (``mean`` divides by the other rows); the target is a mask only
+    (``check_targets``: ValueError for one outside ``[0, V)``). Float32 (float64 for float64
+    inputs)."""
     zs = _linear_logits(student_hidden, student_weight, None, temperature, compute_dtype)
     zt = _linear_logits(teacher_hidden, teacher_weight, None, temperature, compute_dtype)
     rows = distill_divergence(torch.log_softmax(zs, -1), torch.log_softmax(zt, -1), kind=kind, beta=beta)
     valid = (torch.ones_like(rows, dtype=torch.bool) if target is None
-             else _valid_rows(target, zs.shape[-1], ignore_index))
+             else _target_rows(target, zs.shape[-1], ignore_index, check_targets)[0])
     rows = torch.where(valid, rows, 0.0)
     if reduction == "mean":
         rows = rows.sum() / valid.sum()

@@ -672,6 +672,8 @@ def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
     r, n = dx.shape
     if r == 0 or n == 0:
         return
+    if n > 1 and dx.stride(1) != 1:  # the kernel steps along a row by one element
+        raise RuntimeError(f"scale_rows_ needs rows of unit column stride, got strides {dx.stride()}")
     handle, grid = _SCALE[r, n, dx.get_device()]
     handle(grid, dx, g, r, n, dx.stride(0), 0 if g.dim() == 0 else g.stride(0))
 
@@ -694,7 +696,7 @@ class _TargetFlag(threading.local):
     def word(self, pinned: bool) -> torch.Tensor:
         word = self.words.get(pinned)
         if word is None:
-            word = self.words[pinned] = torch.empty(1, dtype=torch.int64, pin_memory=pinned)
+            word = self.words[pinned] = torch.empty(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         return word
 
     def event(self, device_index: int):
@@ -868,11 +870,17 @@ CE = Op("cross_entropy", forward=_ce_forward, setup=_ce_setup, backward=_ce_back
 
 
 def _ce_inplace_setup(ctx, inputs, outputs, config: Optional[CrossEntropyConfig] = None):
-    logits = inputs[0]
-    # Other autograd nodes that saved these logits now fail loudly instead of silently using the
-    # gradient written over them.
+    ctx.save_for_backward(inputs[0])
+
+
+def _mark_overwritten(logits: torch.Tensor) -> None:
+    """Before the in-place forward is recorded: bump the logits' version, so that other autograd
+    nodes that saved them fail loudly instead of silently using the gradient written over them.
+    A view's history is remade on its first use after a version change; reading ``grad_fn`` here
+    remakes it before autograd takes it as the op's input, so ``autograd.grad(loss, logits)`` and
+    ``retain_grad`` reach the op's gradient (bumped inside the forward, they found a stale node)."""
     torch.autograd.graph.increment_version(logits)
-    ctx.save_for_backward(logits)
+    logits.grad_fn
 
 
 def _ce_inplace_backward(ctx, _, grad, *__):
@@ -980,11 +988,15 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         loss, z, lse = reference.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                                label_smoothing=smoothing, z_loss=z_coef, softcap=softcap,
-                                               compute_dtype=compute)
+                                               check_targets=check_targets, compute_dtype=compute)
         return package_output(loss, z, lse, return_z_loss, return_lse)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    op = CE_INPLACE if inplace_backward else CE
+    op = CE
+    if inplace_backward:
+        op = CE_INPLACE
+        if not torch.compiler.is_compiling() and CE_INPLACE.needs_grad((logits,)):
+            _mark_overwritten(logits)
     loss, z, lse = op(logits, target, ignore_index, reduction, smoothing, z_coef, softcap, return_z_loss,
                       check_targets, config=config)
     return package_output(loss, z, lse, return_z_loss, return_lse)

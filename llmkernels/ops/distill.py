@@ -34,7 +34,7 @@ import torch
 from .. import reference
 from ._launch import cdiv, launch, pointer, use_kernels
 from ._triton import tl, triton
-from .cross_entropy import REDUCTIONS, check_target, count_rows
+from .cross_entropy import REDUCTIONS, check_target, count_rows, finish_target_check, start_target_check
 from .linear_cross_entropy import grads_fake, head_loss_ops
 from .log_probs import check_chunk_size, check_temperature
 from .vocab_chunks import CHUNK_BYTES, accumulate_mm, aligned_cols, check_head, chunk_rows
@@ -67,15 +67,16 @@ def _logits_pair(s_row, t_row, offset, V, inv_temp, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _jsd_terms(zs, zt, lse_s, lse_t, beta):
-    """(row loss terms, d = (1 - beta)(log Q - log M), Q) of a tile; 0 where the class is masked."""
+    """(row loss terms, d = (1 - beta)(log Q - log M), Q) of a tile; 0 where the class is masked
+    (probability exactly 0: tests are ``== 0``, not ``> 0``, so that a NaN stays NaN)."""
     log_q = zs - lse_s[:, None]
     log_p = zt - lse_t[:, None]
     q = tl.exp(log_q)
     p = tl.exp(log_p)
     mix = beta * p + (1.0 - beta) * q
-    log_m = tl.log(tl.where(mix > 0, mix, 1.0))
-    d = tl.where(q > 0, (1.0 - beta) * (log_q - log_m), 0.0)
-    terms = tl.where(p > 0, beta * p * (log_p - log_m), 0.0) + q * d
+    log_m = tl.log(tl.where(mix == 0, 1.0, mix))
+    d = tl.where(q == 0, 0.0, (1.0 - beta) * (log_q - log_m))
+    terms = tl.where(p == 0, 0.0, beta * p * (log_p - log_m)) + q * d
     return terms, d, q
 
 
@@ -87,7 +88,7 @@ def _grad_tile(zs, zt, lse_s, lse_t, aux, beta, KIND: tl.constexpr):
         g = tl.exp(zs - lse_s[:, None]) - tl.exp(zt - lse_t[:, None])
     elif KIND == 1:
         q = tl.exp(zs - lse_s[:, None])
-        g = tl.where(q > 0, q * ((zs - lse_s[:, None]) - (zt - lse_t[:, None]) - aux[:, None]), 0.0)
+        g = tl.where(q == 0, 0.0, q * ((zs - lse_s[:, None]) - (zt - lse_t[:, None]) - aux[:, None]))
     else:
         _, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
         g = q * (d - aux[:, None])
@@ -132,9 +133,9 @@ def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, strid
         ss = ss * scale_s + tl.sum(es, axis=1)
         st = st * scale_t + tl.sum(et, axis=1)
         if KIND == 0:  # sum over classes of exp(zt - mt) (zt - zs): KL(P || Q) without a second pass
-            w = w * scale_t + tl.sum(tl.where(et > 0, et * (zt - zs), 0.0), axis=1)
+            w = w * scale_t + tl.sum(tl.where(et == 0, 0.0, et * (zt - zs)), axis=1)
         elif KIND == 1:
-            w = w * scale_s + tl.sum(tl.where(es > 0, es * (zs - zt), 0.0), axis=1)
+            w = w * scale_s + tl.sum(tl.where(es == 0, 0.0, es * (zs - zt)), axis=1)
     lse_s = tl.where(ms == float("-inf"), 0.0, ms) + tl.log(ss)
     lse_t = tl.where(mt == float("-inf"), 0.0, mt) + tl.log(st)
     if KIND == 0:
@@ -228,8 +229,10 @@ def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teache
     logits ``[M, Cv]`` recomputed, the gradient written over the student's, ``grad_weight[v] =
     G.T @ student_hidden`` one matmul over all rows (fp32 sums in cuBLAS, rounded once)."""
     m, v = student_hidden.shape[0], student_weight.shape[0]
+    if m == 0:  # no rows: a zero gradient (and no chunk width to derive from M)
+        return torch.zeros_like(student_weight, memory_format=torch.contiguous_format)
     cols = aligned_cols(max(1, chunk * v // m), v)
-    grad_weight = torch.empty_like(student_weight)
+    grad_weight = torch.empty_like(student_weight, memory_format=torch.contiguous_format)
     s_buf = torch.empty(m * cols, dtype=student_hidden.dtype, device=student_hidden.device)
     t_buf = torch.empty(m * cols, dtype=teacher_hidden.dtype, device=teacher_hidden.device)
     for v0 in range(0, v, cols):
@@ -264,7 +267,7 @@ def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
     vocabulary chunks for the weight gradient)."""
     m, v = student_hidden.shape[0], student_weight.shape[0]
     low = memory == "low"
-    gh = torch.empty_like(student_hidden) if need[0] else None
+    gh = torch.empty_like(student_hidden, memory_format=torch.contiguous_format) if need[0] else None
     gw = None
     if need[1] and not low:
         gw = torch.zeros(student_weight.shape, dtype=accum_dtype or student_weight.dtype, device=student_weight.device)
@@ -282,11 +285,12 @@ def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
 
 def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str, beta: float,
                      temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str):
+                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str, check: bool = True):
     """Returns (loss, grad_hidden, grad_weight): the gradients (each None unless ``need``-ed, and
     only for reductions other than ``"none"``) for an upstream gradient of 1."""
-    m = student_hidden.shape[0]
+    m, v = student_hidden.shape[0], student_weight.shape[0]
     dev = student_hidden.device
+    pending = start_target_check(target, v, ignore_index) if check and target is not None else None
     loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
     fused = reduction != "none" and any(need)
     count = scale = None
@@ -296,6 +300,7 @@ def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_wei
     gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
                     kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
                     accum_dtype=accum_dtype, memory=memory, need=need if fused else (False, False))
+    finish_target_check(pending, target, v, ignore_index)
     return _reduce(loss_rows, target, ignore_index, reduction, count), gh, gw
 
 
@@ -315,7 +320,7 @@ def _distill_backward_launcher(grad, student_hidden, student_weight, teacher_hid
 # _bwd), as linear_cross_entropy's: with "mean" and "sum" the gradients are formed in the forward.
 # --------------------------------------------------------------------------------------------
 def _distill_fake(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-                  ignore_index, reduction, chunk_size, accum_dtype, need, memory):
+                  ignore_index, reduction, chunk_size, accum_dtype, need, memory, check=True):
     fused = reduction != "none"
     loss = student_hidden.new_empty(() if fused else (student_hidden.shape[0],), dtype=torch.float32)
     return loss, *grads_fake((student_hidden, student_weight), [fused and n for n in need])
@@ -323,7 +328,7 @@ def _distill_fake(student_hidden, student_weight, teacher_hidden, teacher_weight
 
 def _distill_kept_for_none(inputs, outputs):
     (student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
-     reduction, chunk_size, accum_dtype, need, memory) = inputs
+     reduction, chunk_size, accum_dtype, need, memory, check) = inputs
     return ((student_hidden, student_weight, teacher_hidden, teacher_weight, target),
             (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory))
 
@@ -335,7 +340,8 @@ DISTILL, DISTILL_FUSED = head_loss_ops(
     forward=_distill_forward, grad_inputs=(0, 1), returns=1, fake=_distill_fake,
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor? target, str kind, float beta, float temperature, SymInt ignore_index, str reduction, "
-           "SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, str memory) -> (Tensor, Tensor, Tensor)",
+           "SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, str memory, bool check=True) -> (Tensor, Tensor, "
+           "Tensor)",
     backward_launcher=_distill_backward_launcher,
     backward_fake=lambda grad, student_hidden, student_weight, *options: grads_fake((student_hidden, student_weight),
                                                                                     options[-2]),
@@ -352,7 +358,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
                         teacher_weight: torch.Tensor, target: Optional[torch.Tensor] = None, *, kind: str = "jsd",
                         beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
                         reduction: str = "mean", chunk_size: Optional[int] = None, memory: str = "low",
-                        accum_dtype: Optional[torch.dtype] = torch.float32):
+                        accum_dtype: Optional[torch.dtype] = torch.float32, check_targets: bool = True):
     """Distillation loss between a student's and a teacher's LM-head distributions, without
     either ``[M, V]`` logits (see the module docstring for the losses and their gradients).
 
@@ -362,7 +368,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         teacher_hidden: ``[M, Ht]`` (Ht may differ from Hs; any float dtype), teacher_weight:
             ``[V, Ht]`` of teacher_hidden's dtype: the same V. They get no gradient.
         target: optional ``[M]`` int64/int32: rows equal to ``ignore_index`` contribute 0 (and
-            ``mean`` does not count them); other values are not used.
+            ``mean`` does not count them); other values are not used beyond ``check_targets``.
         kind: ``"jsd"`` (generalised, ``beta`` in (0, 1) weighs the teacher in the mixture M, as
             in Liger's FusedLinearJSD), ``"forward_kl"`` KL(teacher || student) or
             ``"reverse_kl"`` KL(student || teacher).
@@ -375,6 +381,9 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
             the row chunks in an ``accum_dtype`` ``[V, Hs]`` buffer (module docstring).
         accum_dtype: ``memory="fast"``'s weight-gradient sum: float32 (default) or None (the
             weight's dtype: half the memory, one rounding per chunk).
+        check_targets: raise ValueError for a target outside ``[0, V)`` that is not
+            ``ignore_index``, as the other losses do (a small kernel, one host wait); with False
+            such a row counts as any other.
 
     Returns:
         The loss in float32 (0-d, or ``[M]`` for ``"none"``), differentiable in student_hidden
@@ -414,10 +423,10 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         return reference.linear_distill_loss(student_hidden, student_weight, teacher_hidden.detach(),
                                              teacher_weight.detach(), target, kind=kind, beta=beta,
                                              temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-                                             compute_dtype=compute)
+                                             check_targets=check_targets, compute_dtype=compute)
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
     grad_on = torch.is_grad_enabled()
     need = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
     op = DISTILL if reduction == "none" else DISTILL_FUSED
     return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-              ignore_index, reduction, chunk_size, accum_dtype, need, memory)[0]
+              ignore_index, reduction, chunk_size, accum_dtype, need, memory, check_targets)[0]

@@ -96,7 +96,7 @@ def _grad_buffers(hidden, weight, bias, need: tuple, accum_dtype, memory: str):
     if memory == "low":
         need_w = need_b = False
     acc = accum_dtype or weight.dtype
-    return (torch.empty_like(hidden) if need_h else None,
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None,
             torch.zeros_like(weight, dtype=acc, memory_format=torch.contiguous_format) if need_w else None,
             torch.zeros_like(bias, dtype=accum_dtype or bias.dtype, memory_format=torch.contiguous_format)
             if need_b else None)
@@ -311,7 +311,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         loss, z, lse = reference.linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing,
-            z_loss=z_coef, softcap=softcap, compute_dtype=compute)
+            z_loss=z_coef, softcap=softcap, check_targets=check_targets, compute_dtype=compute)
         return package_output(loss, z, lse, return_z_loss, return_lse)
     grad_on = torch.is_grad_enabled()
     need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,

@@ -43,7 +43,7 @@ def _row_logp_kernel(X, T, LOGP, ENT, LSE, MU, V, stride_x, ignore_index, inv_te
                      BLOCK_V: tl.constexpr):
     """One row of logits ``X`` per program: ``lse`` of ``z = x * inv_temp``, ``logp = z[t] - lse``
     (0 where ``t`` is ``ignore_index``, NaN where it is out of range) and, with ENTROPY,
-    ``mu = E_p[z]`` and ``entropy = lse - mu`` (0 where ignored)."""
+    ``mu = E_p[z]`` and ``entropy = lse - mu`` (0 where ignored, NaN where out of range)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     m = tl.full([1], float("-inf"), tl.float32)
@@ -71,7 +71,7 @@ def _row_logp_kernel(X, T, LOGP, ENT, LSE, MU, V, stride_x, ignore_index, inv_te
     if ENTROPY:
         mu = w / s
         tl.store(MU + row + one, mu)
-        tl.store(ENT + row + one, tl.where(valid, lse - mu, 0.0))
+        tl.store(ENT + row + one, tl.where(valid & ~in_range, float("nan"), tl.where(valid, lse - mu, 0.0)))
 
 
 def _logp_forward(hidden, weight, target, bias, temperature: float, want_entropy: bool, ignore_index: int,
@@ -187,7 +187,8 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         temperature: the logits are divided by it (sampling temperature of the policy).
         return_entropy: also return the entropy ``-sum_j p_j log p_j`` of each row's distribution.
         check_targets: raise ValueError for a target outside ``[0, V)`` (a small kernel, one
-            host wait); with False such rows give NaN.
+            host wait); with False such rows give NaN (log-probability, entropy and gradient),
+            on every path.
         chunk_size: rows of logits per forward chunk; vocab_chunk_size: vocabulary columns per
             backward chunk (defaults: ``vocab_chunks.CHUNK_BYTES`` of logits each).
 
@@ -206,7 +207,8 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     if not use_kernels(hidden) or hidden.dtype == torch.float64:
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp, entropy = reference.linear_log_probs(hidden, weight, target, bias, temperature=temperature,
-                                                   ignore_index=ignore_index, compute_dtype=compute)
+                                                   ignore_index=ignore_index, check_targets=check_targets,
+                                                   compute_dtype=compute)
     else:
         logp, entropy = LOG_PROBS(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
                                   check_targets, chunk_size, vocab_chunk_size)

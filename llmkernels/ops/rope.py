@@ -455,6 +455,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     Calls the kernel when the inputs fit it, else computes Hugging Face's formula in torch (other
     shapes, or cos/sin that need a gradient).
     """
+    _check_hf_rope_args(q, k, cos, sin, unsqueeze_dim, position_ids is not None and cos.dim() == 2)
     layout = _UNSQUEEZE_LAYOUTS.get(unsqueeze_dim)
     table = position_ids is not None and cos.dim() == 2
     fits = (layout is not None and q.dim() == 4 and (k is None or k.dim() == 4) and cos.shape[-1] == q.shape[-1]
@@ -470,6 +471,34 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 
 
 _UNSQUEEZE_LAYOUTS = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def _check_hf_rope_args(q, k, cos, sin, unsqueeze_dim, table: bool) -> None:
+    """Hugging Face's formula takes any shapes that broadcast: TypeError / ValueError naming the
+    argument where they don't, instead of torch's anonymous size mismatch."""
+    check_tensor("q", q)
+    if k is not None:
+        check_tensor("k", k, like=q, like_name="q")
+    check_tensor("cos", cos, like=q, like_name="q")
+    check_tensor("sin", sin, like=q, like_name="q")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos shape {list(cos.shape)} must equal sin shape {list(sin.shape)}")
+    if table:  # rows picked by position_ids: checked where they are gathered
+        return
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or not -cos.dim() - 1 <= unsqueeze_dim <= cos.dim():
+        raise ValueError(f"unsqueeze_dim must be an int in [{-cos.dim() - 1}, {cos.dim()}], got {unsqueeze_dim!r}")
+    angles = cos.unsqueeze(unsqueeze_dim).shape
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and not _broadcasts_to(angles, x.shape):
+            raise ValueError(f"cos/sin of shape {list(cos.shape)} (unsqueezed at {unsqueeze_dim}: {list(angles)}) "
+                             f"do not broadcast to {name}'s shape {list(x.shape)}")
 
 
 def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:

@@ -26,6 +26,7 @@ Rows whose target is ``ignore_index`` get a zero gradient.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -124,8 +125,10 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     ``[M]`` fp32 or None (B = 0), ``has_c``: C is not all zero. ``cols``: columns per chunk."""
     need_h, need_w, need_b = need
     m, v = hidden.shape[0], weight.shape[0]
+    # An unchecked target outside [0, V) makes its row's gradient NaN, as the row kernels do.
+    coefs = torch.where((target != ignore_index) & ((target < 0) | (target >= v)), math.nan, coefs)
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-    grad_weight = torch.empty_like(weight) if need_w else None
+    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
     grad_bias = torch.empty(v, dtype=torch.float32, device=weight.device) if need_b else None
     if m == 0 or not any(need):
         if need_w:

@@ -126,6 +126,8 @@ def _check_config(config, n: int) -> None:
 def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, weight_offset, casting, out_dtype,
           config):
     heads = _check_norm_args(x, weight, bias, residual, eps, casting)
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be None or a floating-point torch.dtype, got {out_dtype!r}")
     if config is not None:
         _check_config(config, x.shape[-1])
     if not use_kernels(x) or x.dtype == torch.float64:

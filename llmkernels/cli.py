@@ -23,6 +23,8 @@ commands:
   env       what llmkernels runs on: GPU and its memory bandwidth, CUDA, torch, triton,
             transformers, whether Triton's interpreter is active, which peers are installed.
   scaling   scaling-law experiments built on the kernels (extra `scaling`).
+  fuzz      the differential fuzzer: random shapes, dtypes, layouts, options and execution
+            contexts of every op against its float64 reference (`fuzz --help`).
 
 options:
   -h, --help  show this message and exit
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
         from .bench import main as run
     elif command == "scaling":
         from .scaling import main as run
+    elif command == "fuzz":
+        from .fuzz import main as run
     else:
         print(f"llmkernels: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

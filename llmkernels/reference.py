@@ -165,6 +165,8 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
         rows, z_rows = rows.sum() / n, z_rows.sum() / n
     elif reduction == "sum":
         rows, z_rows = rows.sum(), z_rows.sum()
+    if z_loss == 0:  # no z-loss term: zeros, even where the reduced loss is NaN (no rows counted)
+        z_rows = torch.zeros_like(rows)
     return rows.to(logits.dtype), z_rows.to(logits.dtype), lse
 
 

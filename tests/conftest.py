@@ -9,6 +9,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# LLMKERNELS_TEST_DEFAULT_DEVICE=cuda runs the suite as training scripts often do, with
+# torch.set_default_device("cuda"): every tensor an op makes must name its device.
+if os.environ.get("LLMKERNELS_TEST_DEFAULT_DEVICE"):
+    torch.set_default_device(os.environ["LLMKERNELS_TEST_DEFAULT_DEVICE"])
 # Triton's interpreter rounds fp32 -> bf16 toward zero; the GPU rounds to nearest even. Results
 # that are exact on the GPU may differ by one bf16 ulp under the interpreter.
 INTERPRETED = DEVICE == "cpu"

@@ -120,10 +120,7 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
         t = t.contiguous()
     if t.dim() == 2:
         return t
-    try:
-        return t.view(-1, n)
-    except RuntimeError:
-        return t.reshape(-1, n)
+    return t.reshape(-1, n)  # a view where one exists (no try/except: torch.compile cannot trace it)
 
 
 def pointer(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:

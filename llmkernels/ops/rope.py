@@ -497,8 +497,8 @@ def _check_hf_rope_args(q, k, cos, sin, unsqueeze_dim, table: bool) -> None:
     angles = cos.unsqueeze(unsqueeze_dim).shape
     for name, x in (("q", q), ("k", k)):
         if x is not None and not _broadcasts_to(angles, x.shape):
-            raise ValueError(f"cos/sin of shape {list(cos.shape)} (unsqueezed at {unsqueeze_dim}: {list(angles)}) "
-                             f"do not broadcast to {name}'s shape {list(x.shape)}")
+            raise ValueError(f"cos/sin of shape {list(cos.shape)} (unsqueezed at unsqueeze_dim={unsqueeze_dim}: "
+                             f"{list(angles)}) do not broadcast to {name}'s shape {list(x.shape)}")
 
 
 def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:

@@ -240,7 +240,7 @@ def _nan_stays_in_row(case: Case, plan: Draw, wants: set, upstream: list, clean:
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if rows == 0 or 0 in x.stride():
         return False
-    counted = torch.ones(rows, dtype=torch.bool)
+    counted = torch.ones(rows, dtype=torch.bool, device="cpu")
     if case.args.get("target") is not None:  # an ignored row's outputs are 0 whatever its inputs
         counted = (case.args["target"] != case.args.get("ignore_index", -100)).cpu()
     if not counted.any():

@@ -66,7 +66,7 @@ class Draw:
         return 10.0 ** self.rng.uniform(-3, 3)
 
     def values(self, shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(tuple(shape), generator=self.gen) * scale
+        t = torch.randn(tuple(shape), generator=self.gen, device="cpu") * scale
         return t.to(dtype).to(self.device)
 
     def tensor(self, shape, dtype: torch.dtype, *, scale: float = 1.0, layouts=LAYOUTS) -> torch.Tensor:
@@ -75,8 +75,8 @@ class Draw:
 
     def target(self, m: int, v: int, ignore_index: int) -> torch.Tensor:
         """Class indices ``[m]`` in ``[0, v)`` with a random fraction (up to all) ``ignore_index``."""
-        t = torch.randint(0, v, (m,), generator=self.gen)
-        ignored = torch.rand(m, generator=self.gen) < self.choice((0.0, 0.0, 0.2, 0.6, 1.0))
+        t = torch.randint(0, v, (m,), generator=self.gen, device="cpu")
+        ignored = torch.rand(m, generator=self.gen, device="cpu") < self.choice((0.0, 0.0, 0.2, 0.6, 1.0))
         t = torch.where(ignored, ignore_index, t).to(self.choice((torch.int64, torch.int32)))
         return t.to(self.device)
 

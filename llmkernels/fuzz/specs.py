@@ -133,7 +133,7 @@ def rope(d: Draw, hf: bool) -> Case:
                     bad=_common_bad(d, args, ("q", "k", "cos", "sin"), {"unsqueeze_dim": 3}))
     position_ids = None
     if table:
-        position_ids = torch.randint(0, cshape[0], d.choice(((s,), (b, s))), generator=d.gen).to(d.device)
+        position_ids = torch.randint(0, cshape[0], d.choice(((s,), (b, s))), generator=d.gen, device="cpu").to(d.device)
     args.update(position_ids=position_ids, layout=layout, interleaved=d.chance(0.3),
                 rotary_dim=None if rotary == dim and d.chance(0.5) else rotary)
 

@@ -20,7 +20,7 @@ class Draw:
 
     def __init__(self, seed: int, index: int, device: torch.device):
         self.rng = random.Random(f"{seed}:{index}")
-        self.gen = torch.Generator().manual_seed(self.rng.getrandbits(62))
+        self.gen = torch.Generator(device="cpu").manual_seed(self.rng.getrandbits(62))
         self.device = device
 
     def chance(self, p: float) -> bool:

@@ -162,6 +162,8 @@ def run_case(build: Callable, seed: int, index: int, device: torch.device, *, co
     plan = Draw(seed, -1 - index, device)  # the runner's own choices, apart from the case's
     context = context or plan.rng.choices(CONTEXTS, CONTEXT_WEIGHTS)[0]
     forward_only = context in ("no_grad", "inference_mode")
+    if context == "autocast" and case.follows_autocast:  # products and sums both rounded to bf16
+        case.tol_scale *= 2
     wants = {n for n in case.differentiable if isinstance(case.args.get(n), torch.Tensor) and plan.chance(0.75)}
     wants = set() if forward_only else wants
     before = {n: v.detach().clone() for n, v in case.args.items() if isinstance(v, torch.Tensor)}

@@ -70,6 +70,14 @@ def _common_bad(d: Draw, args: dict, tensors: tuple, options: dict) -> list:
     return bad
 
 
+def toward_zero(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` toward zero (``.to`` rounds to nearest), in ``t``'s dtype."""
+    r = t.to(dtype).to(t.dtype)
+    mantissa, exponent = torch.frexp(r)
+    ulp = torch.ldexp(torch.full_like(mantissa, torch.finfo(dtype).eps), exponent - 1)  # spacing in [2^(e-1), 2^e)
+    return torch.where(r.abs() > t.abs(), r - torch.sign(r) * ulp, r)
+
+
 def _one_bad(d: Draw, table: dict) -> dict:
     """One of an op's bad option values, drawn."""
     name = d.choice(list(table))
@@ -101,9 +109,27 @@ def norm(d: Draw, is_rms: bool) -> Case:
                 weight_offset=d.choice((None, None, 1.0, 0.25)),
                 out_dtype=d.choice((None, None, None, torch.float32, torch.bfloat16)))
     fn, ref = (lk.rms_norm, reference.rms_norm) if is_rms else (lk.layer_norm, reference.layer_norm)
+    h_dtype = None if residual is None else reference.resolve_norm_dtypes(
+        x, weight, residual, casting=args["casting"], weight_offset=None, out_dtype=None,
+        residual_in_fp32=args["residual_in_fp32"])[2]
+
+    def reference_norm(a, c):
+        """The reference on upcast arguments, with ``h = x + residual`` stored in the dtype the op
+        stores it in (part of its definition; upcast inputs would keep it exact): rounded in value,
+        straight through for the gradient. The float32 pass rounds toward zero, so that the spread
+        of the two passes admits a sum that lies half-way between two values of that dtype
+        (Triton's interpreter rounds so), which an ill-conditioned row (LayerNorm of 2 nearly
+        equal values) turns into a large difference."""
+        if a["residual"] is None:
+            return ref(**a, compute_dtype=c)
+        h = a["x"] + a["residual"]
+        h = h + ((h.to(h_dtype).to(c) if c == torch.float64 else toward_zero(h, h_dtype)) - h).detach()
+        y = ref(**{**a, "x": h, "residual": None, "prenorm": False}, compute_dtype=c)
+        return (y, h) if a["prenorm"] else y
+
     options = {"eps": -1.0, "casting": "llama3", "out_dtype": torch.int32}
     return Case("rms_norm" if is_rms else "layer_norm", args, lambda a: fn(**a),
-                lambda a, c: ref(**a, compute_dtype=c), ("x", "weight", "bias", "residual"), row_input="x",
+                reference_norm, ("x", "weight", "bias", "residual"), row_input="x",
                 bad=_common_bad(d, args, ("x", "weight", "bias", "residual"), _one_bad(d, options)))
 
 

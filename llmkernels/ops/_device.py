@@ -18,6 +18,7 @@ never on a call.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -250,3 +251,25 @@ def forget() -> None:
     wrote one); launch plans made before keep what they chose."""
     device_model.cache_clear()
     tuned.cache_clear()
+
+
+@contextlib.contextmanager
+def heuristic_only():
+    """Meanwhile no tuned cache is read and the device models take no measured copy (the
+    derived heuristic alone, as on an unknown GPU); every launch plan is dropped on entry and on
+    exit, so that none made under one source serves the other."""
+    from . import _launch
+
+    saved = os.environ.get("LLMKERNELS_TUNED")
+    os.environ["LLMKERNELS_TUNED"] = "0"
+    forget()
+    _launch.clear_plans()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["LLMKERNELS_TUNED"]
+        else:
+            os.environ["LLMKERNELS_TUNED"] = saved
+        forget()
+        _launch.clear_plans()

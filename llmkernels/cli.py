@@ -22,6 +22,8 @@ commands:
             Triton's interpreter on CPU.
   env       what llmkernels runs on: GPU and its memory bandwidth, CUDA, torch, triton,
             transformers, whether Triton's interpreter is active, which peers are installed.
+  tune      search each kernel family's launch configurations on this GPU and write its
+            per-device cache (read when launch plans are made); resumable, --budget seconds.
   scaling   scaling-law experiments built on the kernels (extra `scaling`).
   fuzz      the differential fuzzer: random shapes, dtypes, layouts, options and execution
             contexts of every op against its float64 reference (`fuzz --help`).
@@ -36,7 +38,8 @@ ENV_USAGE = """usage: llmkernels env [-h]
 
 Print what llmkernels runs on: llmkernels, Python, torch and its CUDA, triton, whether Triton's
 interpreter is active (TRITON_INTERPRET=1), each GPU with its memory bandwidth (theoretical,
-from the memory clock and bus width, and a 256 MiB device-to-device copy timed on the spot),
+from the memory clock and bus width, and a 256 MiB device-to-device copy timed on the spot) and
+where its launch configurations come from (a tuned cache's path, or the derived heuristic),
 transformers, and the peers the benchmark compares with (quack-kernels, liger-kernel,
 cut-cross-entropy) with their versions."""
 
@@ -68,7 +71,7 @@ def _theoretical_gbps(index: int):
 def _gpu_lines(torch) -> list:
     if not torch.cuda.is_available():
         return ["GPU           none (CPU tensors run through Triton's interpreter when TRITON_INTERPRET=1, "
-                "else the plain-PyTorch reference)"]
+                "else the plain-PyTorch reference)", "configs       heuristic (the interpreter's: the H100's tables)"]
     from .bench.runner import copy_bandwidth
 
     lines = []
@@ -82,8 +85,19 @@ def _gpu_lines(torch) -> list:
         except Exception as exc:  # out of memory, a busy device: the rest of the report still helps
             copy = f"copy not measured ({type(exc).__name__})"
         line += f"\n              memory bandwidth: {f'{peak:.0f} GB/s theoretical, ' if peak else ''}{copy}"
-        lines.append(line)
+        lines.append(line + "\n" + _configs_line(index))
     return lines
+
+
+def _configs_line(index: int) -> str:
+    """Where device ``index``'s launch configurations come from: a tuned cache or the heuristic
+    derived from the device model (with its depth and the copy bandwidth it assumes)."""
+    from .ops import _device
+
+    model, tuned = _device.device_model(index), _device.tuned(index)
+    hidden = " (tuned caches hidden: LLMKERNELS_TUNED=0)" if _device.hidden() else ""
+    return (f"              configs: {tuned.source}{hidden}; heuristic at depth {model.depth} "
+            f"(copy {model.copy_gbps:.0f} GB/s, {model.copy_source}; {model.in_flight_per_sm} B in flight an SM)")
 
 
 def env() -> str:
@@ -126,6 +140,8 @@ def main(argv=None) -> int:
         return 0
     if command == "bench":
         from .bench import main as run
+    elif command == "tune":
+        from .tune import main as run
     elif command == "scaling":
         from .scaling import main as run
     elif command == "fuzz":

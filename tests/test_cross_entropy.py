@@ -13,6 +13,7 @@ import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import cross_entropy as ce_ops
 from llmkernels.ops import linear_cross_entropy as lce_ops
+from llmkernels.ops._rowsplit import split_grid
 from tests.conftest import DEVICE
 from llmkernels.bench.runner import poisoned
 from tests.helpers import assert_close, cuda_peak_bytes
@@ -143,7 +144,7 @@ def test_inplace_rows_split_over_programs(opts, device):
     config = dataclasses.replace(ce_ops.DEFAULT_CONFIG,
                                  split_inplace=dataclasses.replace(ce_ops.DEFAULT_CONFIG.split_inplace, block_v=block))
     m, v = (37, 20000) if device == "cuda" else (5, 20000)
-    assert ce_ops.split_grid(v, m, block, torch.device(device))[0] == -(-v // block)
+    assert split_grid(v, m, block, torch.device(device))[0] == -(-v // block)
     logits, target = make_case(m, v, torch.bfloat16, device, ignored=(0,))
     kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
     for reduction in ("mean", "none"):

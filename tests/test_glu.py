@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import llmkernels
 from llmkernels import reference
 from llmkernels.ops import glu as glu_ops
+from llmkernels.ops.configs import glu as glu_configs
 
 from tests.conftest import DEVICE, INTERPRETED
 from llmkernels.bench.runner import poisoned
@@ -71,11 +72,25 @@ def test_halves_of_a_fused_gate_up_projection(activation, dtype):
 @pytest.mark.parametrize("shape", [(7,), (1, 1), (9, 1), (3, 2049), (2, 3, 4, 24)])
 def test_leading_shapes_and_widths(shape):
     """No leading dims, one element, a single column, a row wider than a column tile (2049 >
-    MAX_BLOCK_N: several column tiles and a masked tail), 4-D."""
-    assert glu_ops.MAX_BLOCK_N < 2049
+    GluTiles.max_block_n: several column tiles and a masked tail), 4-D."""
+    assert glu_configs.DEFAULT_TILES.max_block_n < 2049
     gate = torch.randn(shape, device=DEVICE, requires_grad=True)
     up = torch.randn(shape, device=DEVICE, requires_grad=True)
     check("silu", gate, up)
+
+
+def test_launchers_take_a_config():
+    """The forward and backward launchers run any tiling given as ``config=`` (here narrower
+    than a row, several rows a tile), against the float64 reference."""
+    gate, up, dy = (torch.randn(5, 100, device=DEVICE) for _ in range(3))
+    config = glu_configs.GluConfig(block_m=2, block_n=32, num_warps=2)
+    g64, u64 = gate.to(F64).requires_grad_(), up.to(F64).requires_grad_()
+    y64 = reference.glu(g64, u64, "silu", compute_dtype=F64)
+    d_gate64, d_up64 = torch.autograd.grad(y64, (g64, u64), dy.to(F64))
+    assert_close(glu_ops._glu_fwd(gate, up, "silu", config=config), y64, torch.float32, "y")
+    d_gate, d_up = glu_ops._glu_bwd(dy, gate, up, "silu", config=config)
+    assert_close(d_gate, d_gate64, torch.float32, "d_gate")
+    assert_close(d_up, d_up64, torch.float32, "d_up")
 
 
 def test_transposed_and_broadcast_inputs():

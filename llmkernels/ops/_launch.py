@@ -347,12 +347,23 @@ class Plans(dict):
     def __init__(self, make, limit: int = 4096):
         super().__init__()
         self.make, self.limit = make, limit
+        _ALL_PLANS.append(self)
 
     def __missing__(self, key):
         if len(self) >= self.limit:
             self.clear()
         plan = self[key] = self.make(*key) if type(key) is tuple else self.make(key)
         return plan
+
+
+_ALL_PLANS: list = []  # every family's plans (module-level, made once at import)
+
+
+def clear_plans() -> None:
+    """Drop every family's launch plans: the next call of each key chooses its configuration
+    again (after the configuration source changed: ``_device.heuristic_only``)."""
+    for plans in _ALL_PLANS:
+        plans.clear()
 
 
 def launch(kernel, grid: tuple, *args, **options) -> None:

@@ -29,7 +29,6 @@ cross-entropy (and any loss built on per-row logsumexps) runs over blocks of log
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from typing import NamedTuple, Optional
@@ -40,120 +39,11 @@ from .. import reference
 from ._launch import (Plans, cdiv, check_tensor, device_of, launcher, next_pow2, persistent_programs, pointer,
                       row_stride, use_kernels)
 from ._register import Op
-from ._rowsplit import collect, publish, row_slice, split_grid
+from ._rowsplit import collect, publish, resident_registers, row_slice
 from ._triton import tl, triton
-
-
-# --------------------------------------------------------------------------------------------
-# launch configurations (chosen by measurement on H100; each names the results that did)
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RowPass:
-    """How ``_ce_kernel`` runs one kind of pass over rows wider than one block: a loop over
-    ``block_v``-column chunks of ``block_m`` rows a program."""
-
-    block_v: int
-    num_warps: int
-    per_sm: int  # programs a multiprocessor of the persistent grid; 0: a program per row tile
-    # cache policy of a row's read for its logsumexp and of its read for the gradient (a pass
-    # that reads a row once makes one of them)
-    evict: tuple
-    results: str  # the measurements that chose it
-    block_m: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitForward:
-    """The forward alone over few rows: each row split over programs that store partial
-    logsumexps (the forward pass's chunk and warps), then a combine kernel; with more rows the
-    last wave of whole-row programs would leave multiprocessors idle."""
-
-    max_items: int  # rows x parts at most
-    results: str
-    combine_rows: int = 128  # rows a program of the combine kernel
-    combine_warps: int = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitInplace:
-    """The in-place pass over rows split across resident programs that exchange the row's
-    statistics (``_ce_fused_split_kernel``): the logits are read once."""
-
-    block_v: int  # columns each program holds in registers
-    num_warps: int
-    results: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyConfig:
-    """The launch configuration of every cross-entropy pass (``DEFAULT_CONFIG``; tests and
-    tuning pass others as ``config=``)."""
-
-    one_block_max: int  # rows up to this many classes are held whole in registers by one program
-    forward: RowPass  # the forward alone
-    backward: RowPass  # the separate backward (re-reads the logits with the forward's lse)
-    inplace: RowPass  # forward and gradient in one program, each row read twice
-    split_forward: SplitForward
-    split_inplace: Optional[SplitInplace]  # None: the in-place pass never splits rows
-    tile_elements: int = 4096  # elements a program holds in the one-block kernel
-    warp_elements: int = 512  # ... a warp of it holds (4 to 32 warps)
-
-
-_SWEEP = "benchmarks/results/cross_entropy-h100-2026-11-22.json"
-_SESSION4 = "benchmarks/results/cross-entropy-session4-h100-2026-11-22/"
-DEFAULT_CONFIG = CrossEntropyConfig(
-    one_block_max=8192,
-    forward=RowPass(block_v=16384, num_warps=8, per_sm=0, evict=("evict_first", "evict_first"),
-                    results="benchmarks/results/cross_entropy-forward-variants-h100-2026-11-22.txt, " + _SWEEP),
-    backward=RowPass(block_v=16384, num_warps=32, per_sm=2, evict=("evict_last", "evict_first"),
-                     results=_SESSION4 + "ce-bwd-inplace-sweep-8192-rows.json"),
-    inplace=RowPass(block_v=16384, num_warps=32, per_sm=4, evict=("evict_last", "evict_first"),
-                    results=_SESSION4 + "ce-bwd-inplace-sweep-8192-rows.json, " + _SWEEP),
-    split_forward=SplitForward(max_items=4096, results=_SESSION4 + "ce-split-forward-and-api.json"),
-    split_inplace=SplitInplace(block_v=32768, num_warps=16,
-                               results="benchmarks/results/cross-entropy-inplace-h100-2026-11-23/"),
-)
-
-
-class RowTiles(NamedTuple):
-    """What one program of ``_ce_kernel`` covers: ``block_m`` rows, ``block_v`` columns a step."""
-
-    block_m: int
-    block_v: int
-    num_warps: int
-    one_block: bool  # the whole row in one block (else a loop over chunks)
-
-
-def row_tiles(v: int, m: int, row_pass: RowPass, config: CrossEntropyConfig = DEFAULT_CONFIG) -> RowTiles:
-    """The tiles of ``m`` rows of ``v`` classes for ``row_pass``: rows up to ``one_block_max``
-    whole in one block, several rows a program up to ``tile_elements``; wider rows chunked."""
-    if v > config.one_block_max:
-        return RowTiles(row_pass.block_m, row_pass.block_v, row_pass.num_warps, False)
-    block_v = max(16, next_pow2(v))
-    block_m = min(max(1, config.tile_elements // block_v), next_pow2(max(m, 1)))
-    return RowTiles(block_m, block_v, min(32, max(4, block_m * block_v // config.warp_elements)), True)
-
-
-def split_forward_parts(v: int, m: int, config: CrossEntropyConfig = DEFAULT_CONFIG) -> tuple[int, int]:
-    """``(parts, span)``: programs per row of the forward alone and the columns each covers (a
-    multiple of the forward's chunk): one program (span V), or as many spans as keep rows x
-    parts <= ``split_forward.max_items``."""
-    chunk = config.forward.block_v
-    if v <= config.one_block_max:
-        return 1, v
-    parts = max(1, min(cdiv(v, chunk), config.split_forward.max_items // max(m, 1)))
-    if parts == 1:
-        return 1, v
-    span = cdiv(cdiv(v, parts), chunk) * chunk
-    return cdiv(v, span), span
-
-
-def inplace_split(v: int, m: int, device: torch.device, config: CrossEntropyConfig = DEFAULT_CONFIG):
-    """``(parts, groups)`` of the in-place pass over rows split across programs, or None: rows
-    held by one block, no split configured, or a split that cannot run here (``split_grid``)."""
-    if v <= config.one_block_max or config.split_inplace is None:
-        return None
-    return split_grid(v, m, config.split_inplace.block_v, device)
+# (DEFAULT_CONFIG and SplitInplace: the family's records, importable from the family's module)
+from .configs.cross_entropy import (DEFAULT_CONFIG, CrossEntropyConfig, SplitInplace, ce_config,  # noqa: F401
+                                    inplace_split, row_tiles, split_forward_parts)
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -585,7 +475,8 @@ def ce_rows(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *, lo
       forward); without, ``lse`` must hold the rows' logsumexps from an earlier forward.
 
     ``smoothing``, ``z_coef``, ``softcap`` are ``cross_entropy``'s label_smoothing, z_loss and
-    softcap; ``config`` the launch configuration (default ``DEFAULT_CONFIG``).
+    softcap; ``config`` the launch configuration (default ``ce_config``'s: tuned on this device,
+    else derived from ``DEFAULT_CONFIG``).
     """
     m, v = logits.shape
     if m == 0:
@@ -605,8 +496,8 @@ def _rows_plan(m: int, v: int, forward: bool, grad: bool, has_g: bool, mean: boo
     """The launches of one ``ce_rows`` call's sizes and switches, resolved once:
     ``run(logits, target, lse, loss, z_loss, dlogits, grad_output, count, ignore_index, smoothing,
     z_coef, cap)``."""
-    config = config or DEFAULT_CONFIG
     device = device_of(device_index)
+    config = config or ce_config(v, device)
     switches = dict(HAS_SMOOTHING=has_smoothing, HAS_SOFTCAP=has_softcap)
     parts, span = split_forward_parts(v, m, config) if forward and not grad else (1, v)
     if parts > 1:
@@ -627,9 +518,12 @@ def _rows_plan(m: int, v: int, forward: bool, grad: bool, has_g: bool, mean: boo
     split = inplace_split(v, m, device, config) if forward and grad else None
     if split is not None:
         parts, groups = split
+        inplace = config.split_inplace
+        # (several programs a multiprocessor: registers capped so that every program is resident)
+        resident = {} if inplace.per_sm == 1 else {"maxnreg": resident_registers(inplace.num_warps, inplace.per_sm)}
         handle = launcher(_ce_fused_split_kernel, MEAN=mean, HAS_SMOOTHING=has_smoothing, HAS_Z=has_z,
                           STORE_Z=store_z, HAS_SOFTCAP=has_softcap, PARTS=parts, PARTS_POW2=next_pow2(parts),
-                          BLOCK_V=config.split_inplace.block_v, num_warps=config.split_inplace.num_warps)
+                          BLOCK_V=inplace.block_v, num_warps=inplace.num_warps, **resident)
         grid = (groups * parts,)
 
         def split_inplace(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
@@ -967,7 +861,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
             during CUDA graph capture). With ``False`` there is no wait, and such rows give a
             NaN loss. Either way no memory outside the logits is read.
         config: the launch configuration of the kernels (a :class:`CrossEntropyConfig`, for
-            tests and tuning); default ``DEFAULT_CONFIG``, the measured one. Not used under
+            tests and tuning); default the one tuned on this device, else derived from
+            ``DEFAULT_CONFIG`` (``configs/cross_entropy.py``). Not used under
             torch.compile.
 
     Returns:

@@ -27,24 +27,21 @@ The kernels are elementwise and memory bound (fwd: gate, up read, y written; bwd
 read, d_gate, d_up written). They see ``[M, I]`` rows (leading dimensions flattened) through
 row strides with a unit-stride last dimension, so slices of a fused projection run without
 copies; outputs are new contiguous tensors. Each program owns a ``[BLOCK_M, BLOCK_N]`` tile of
-about ``TILE_ELEMENTS`` elements on a 1-D grid, column tiles fastest.
+about ``GluTiles.tile_elements`` elements on a 1-D grid, column tiles fastest (``configs/glu.py``).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from .. import reference
-from ._launch import Plans, as_rows, cdiv, check_tensor, launcher, next_pow2, use_kernels
+from ._launch import Plans, as_rows, cdiv, check_tensor, launcher, use_kernels
 from ._register import Op
 from ._triton import tl, triton
+from .configs.glu import GluConfig, glu_config
 
 ACTIVATIONS = reference.GLU_ACTIVATIONS
-# Elements a program moves per tensor, widest column tile, warps (16 elements a thread): every
-# tile of 2048-8192 elements at 4 or 8 warps ran at the copy bandwidth
-# (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-22-session2/glu/tune.log).
-TILE_ELEMENTS = 4096
-MAX_BLOCK_N = 2048
-NUM_WARPS = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,23 +111,17 @@ def _glu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u,
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
-def _config(m: int, n: int):
-    """(BLOCK_M, BLOCK_N, num_warps): tiles of about TILE_ELEMENTS, several rows when they are
-    narrower than MAX_BLOCK_N."""
-    block_n = min(next_pow2(n), MAX_BLOCK_N)
-    block_m = min(next_pow2(m), max(1, TILE_ELEMENTS // block_n))
-    return block_m, block_n, NUM_WARPS
+def _plan(kernel, m: int, n: int, activation: str, config: Optional[GluConfig], **flags):
+    """(the Launcher, the grid) of ``kernel`` over ``[m, n]`` in ``config`` (default ``glu_config``'s)."""
+    config = config or glu_config(m, n)
+    handle = launcher(kernel, ACTIVATION=activation, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      num_warps=config.num_warps)
+    return handle, (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
 
 
-def _plan(kernel, m: int, n: int, activation: str, **flags):
-    """(the Launcher, the grid) of ``kernel`` over ``[m, n]``."""
-    block_m, block_n, num_warps = _config(m, n)
-    handle = launcher(kernel, ACTIVATION=activation, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return handle, (cdiv(m, block_m) * cdiv(n, block_n),)
-
-
-_FWD = Plans(lambda m, n, activation: _plan(_glu_fwd_kernel, m, n, activation))
-_BWD = Plans(lambda m, n, activation, store_y: _plan(_glu_bwd_kernel, m, n, activation, STORE_Y=store_y))
+_FWD = Plans(lambda m, n, activation, config: _plan(_glu_fwd_kernel, m, n, activation, config))
+_BWD = Plans(lambda m, n, activation, store_y, config: _plan(_glu_bwd_kernel, m, n, activation, config,
+                                                             STORE_Y=store_y))
 
 
 def _rows(t: torch.Tensor, n: int) -> tuple:
@@ -139,29 +130,32 @@ def _rows(t: torch.Tensor, n: int) -> tuple:
     return (t.shape[0], t.stride(0)) if t.dim() == 2 else (t.numel() // n if n else 0, n)
 
 
-def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, config: Optional[GluConfig] = None) -> torch.Tensor:
     """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed; or both contiguous
-    ``[..., N]``) as a new contiguous tensor of gate's shape and dtype."""
+    ``[..., N]``) as a new contiguous tensor of gate's shape and dtype. ``config``: the launch
+    configuration (tests and tuning)."""
     n = gate.shape[-1]
     m, stride_g = _rows(gate, n)
     y = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if m and n:
-        handle, grid = _FWD[m, n, activation]
+        handle, grid = _FWD[m, n, activation, config]
         handle(grid, gate, up, y, m, n, stride_g, _rows(up, n)[1])
     return y
 
 
-def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_y: bool = False):
+def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_y: bool = False,
+             config: Optional[GluConfig] = None):
     """``(d_gate, d_up)``, new contiguous tensors of gate's shape and dtype, from ``dy`` (any
     strides) and ``gate, up`` as ``_glu_fwd`` takes them. ``store_y``: ``dy`` (then a ``[M, N]``
-    buffer the caller owns) is overwritten with the forward's ``y``, recomputed."""
+    buffer the caller owns) is overwritten with the forward's ``y``, recomputed. ``config``: as
+    ``_glu_fwd``'s."""
     n = gate.shape[-1]
     m, stride_g = _rows(gate, n)
     dy = as_rows(dy, n)  # the upstream gradient may come with any strides
     d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
     d_up = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if m and n:
-        handle, grid = _BWD[m, n, activation, store_y]
+        handle, grid = _BWD[m, n, activation, store_y, config]
         handle(grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), stride_g, _rows(up, n)[1])
     return d_gate, d_up
 

@@ -25,22 +25,18 @@ fused qkv projection run without copies (the last dimension needs unit stride).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from .. import reference
-from ._launch import Plans, cdiv, check_tensor, launcher, next_pow2, use_kernels
+from ._launch import Plans, cdiv, check_tensor, device_of, launcher, next_pow2, use_kernels
 from ._register import Op
 from ._triton import tl, triton
+# (rope_config: the family's default, importable from the family's module)
+from .configs.rope import RopeConfig, rope_config, rope_tiles  # noqa: F401
 
 LAYOUTS = ("bhsd", "bshd")
-# Elements of q a program moves per step (BLOCK_T tokens x BLOCK_HQ heads x head_dim), and its
-# warps: smaller steps ran faster down to this one, and 4 warps fastest
-# (benchmarks/results/rope-h100-2026-11-22*.json).
-TILE_ELEMENTS = 1024
-NUM_WARPS = 4
-
 
 # --------------------------------------------------------------------------------------------
 # kernel
@@ -140,35 +136,16 @@ def _rope_kernel(
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launcher
 # --------------------------------------------------------------------------------------------
-class RopeConfig(NamedTuple):
-    """A launch of the RoPE kernel: ``block_t`` tokens a program, ``block_hq`` / ``block_hk``
-    heads of q / k a step, ``num_warps``."""
-
-    block_t: int
-    block_hq: int
-    block_hk: int
-    num_warps: int
-
-
-def rope_config(n_tokens: int, hq: int, hk: int, d: int) -> RopeConfig:
-    """About TILE_ELEMENTS elements of q a step; several tokens a program when one token's heads
-    are fewer."""
-    row = next_pow2(d)
-    block_hq = min(next_pow2(hq), max(1, TILE_ELEMENTS // row))
-    block_hk = min(next_pow2(hk), block_hq)
-    block_t = min(next_pow2(n_tokens), max(1, TILE_ELEMENTS // (block_hq * row)))
-    return RopeConfig(block_t, block_hq, block_hk, NUM_WARPS)
-
-
 def _plan(n_tokens: int, hq: int, hk: int, d: int, rotary_dim: int, has_k: bool, has_pos: bool, interleaved: bool,
-          backward: bool, copy_pass: bool, config: Optional[RopeConfig]):
+          backward: bool, copy_pass: bool, device_index: int, config: Optional[RopeConfig]):
     """(the Launcher, the grid) of one call's sizes and switches."""
-    block_t, block_hq, block_hk, num_warps = config or rope_config(n_tokens, hq, hk, d)
+    if config is None:
+        config = rope_config(n_tokens, hq, hk, d, rope_tiles(d, hq, hk, device_of(device_index)))
     handle = launcher(_rope_kernel, HAS_K=has_k, HAS_POS=has_pos, INTERLEAVED=interleaved, BACKWARD=backward,
-                      COPY_PASS=copy_pass, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                      COPY_PASS=copy_pass, BLOCK_T=config.block_t, BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk,
                       HALF=max(1, next_pow2(rotary_dim // 2)), PASS=max(1, next_pow2(d - rotary_dim)),
-                      num_warps=num_warps)
-    return handle, (cdiv(n_tokens, block_t),)
+                      num_warps=config.num_warps)
+    return handle, (cdiv(n_tokens, config.block_t),)
 
 
 _PLANS = Plans(_plan)
@@ -191,7 +168,7 @@ def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int
     All are strided tensors with unit last stride. ``cos``/``sin``: ``[B or 1, S, >= R]``
     (batch stride 0 broadcasts too) or ``[S, >= R]``, or with ``position_ids [B or 1, S]`` or
     ``[S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
-    :class:`RopeConfig` (tuning), default ``rope_config``'s."""
+    :class:`RopeConfig` (tuning), default ``rope_config``'s of the device's ``rope_tiles``."""
     dims = _DIMS[layout]
     shape = q.shape
     bsz, seq, hq, d = shape[0], shape[dims[1]], shape[dims[2]], shape[3]
@@ -202,9 +179,9 @@ def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int
     has_pos = position_ids is not None
     copy_pass = rotary_dim < d and q_out.data_ptr() != q.data_ptr()
     handle, grid = (_PLANS[n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
-                           None] if config is None else
+                           q.get_device(), None] if config is None else
                     _plan(n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
-                          config))
+                          q.get_device(), config))
     cs = cos.stride()
     if has_pos:
         ps = position_ids.stride()

@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+MAX_STAGES = 4  # pipelining stages at most (the kernels' loops are written for 2 to 4)
+MAX_SPLIT_PER_SM = 4  # split programs a multiprocessor at most (each keeps 128 registers a thread or more)
+MIN_SLICE = 4096  # the narrowest slice a split program takes when a device asks for more programs
+
 
 def _power_of_two(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
@@ -31,6 +35,12 @@ def _check_fields(config, name: str) -> None:
     _require(_power_of_two(config.block_n), name, config, "block_n must be a power of two")
     _require(_power_of_two(config.num_warps) and config.num_warps <= 32, name, config,
              "num_warps must be 1, 2, 4, 8, 16 or 32")
+
+
+def deeper_stages(stages: int, depth: int) -> int:
+    """Pipelining ``stages`` (< 2: none) with ``depth`` times the loads ahead (stages - 1 of
+    them), at most MAX_STAGES."""
+    return stages if stages < 2 else min(MAX_STAGES, 1 + (stages - 1) * depth)
 
 
 def _check_tiles(config, n: int, name: str) -> None:
@@ -61,6 +71,10 @@ class FwdConfig:
         """Raise TypeError / ValueError (naming ``name``) where this cannot launch rows of ``n``."""
         _check_tiles(self, n, name)
 
+    def deepened(self, depth: int) -> "FwdConfig":
+        """As it is: its loads are all issued before the row's reduction, as many as its registers hold."""
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitFwdConfig:
@@ -74,6 +88,16 @@ class SplitFwdConfig:
     def check(self, n: int, name: str = "config") -> None:
         _check_fields(self, name)
         _require(self.per_sm >= 1, name, self, "per_sm must be at least 1")
+
+    def deepened(self, depth: int) -> "SplitFwdConfig":
+        """``depth`` times the programs a multiprocessor, each of half the slice and half the
+        warps for each doubling (the same registers a multiprocessor), so that one program's
+        loads overlap another's exchange and stores; within MAX_SPLIT_PER_SM and MIN_SLICE."""
+        config = self
+        while depth > 1 and config.per_sm < MAX_SPLIT_PER_SM and config.block_n > MIN_SLICE and config.num_warps > 1:
+            config = SplitFwdConfig(config.block_n // 2, config.num_warps // 2, config.per_sm * 2)
+            depth //= 2
+        return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +121,10 @@ class BwdConfig:
         _require(self.per_sm >= 1 and self.max_programs >= 0 and self.prefetch >= 0, name, self,
                  "per_sm must be at least 1, max_programs and prefetch at least 0")
 
+    def deepened(self, depth: int) -> "BwdConfig":
+        """Its pipelined loads (prefetch >= 2) ``depth`` times as far ahead."""
+        return dataclasses.replace(self, prefetch=deeper_stages(self.prefetch, depth))
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitBwdConfig:
@@ -111,6 +139,10 @@ class SplitBwdConfig:
     def check(self, n: int, name: str = "config") -> None:
         _check_fields(self, name)
         _require(self.stages >= 0, name, self, "stages must be at least 0")
+
+    def deepened(self, depth: int) -> "SplitBwdConfig":
+        """Its pipelined rows ``depth`` times as far ahead."""
+        return dataclasses.replace(self, stages=deeper_stages(self.stages, depth))
 
 
 ForwardConfig = Union[FwdConfig, SplitFwdConfig]

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._device import model_of, tuned_of
 from .._launch import (Launcher, Plans, cdiv, device_of, fit_stages, launcher, next_pow2, persistent_programs,
                        pointer, row_stride)
 from .._rowsplit import resident_registers, split_grid
@@ -81,9 +82,10 @@ def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: 
     """The plan of a ``norm_fwd`` call (``residual``, ``weight``, ``bias``: whether each is there;
     ``config``: instead of ``FORWARD``'s)."""
     device = device_of(device_index)
-    key = NormKey(is_rms, dtype, residual, n, m, persistent_programs(device, 1), heads == 1)
+    key = NormKey(is_rms, dtype, residual, n, m, persistent_programs(device, 1), heads == 1, model_of(device).depth)
+    tuned = tuned_of(device)
     if config is None:
-        config = forward_config(key)
+        config = forward_config(key, tuned)
     else:
         check_config(config, n, backward=False)
     switches = dict(is_rms=is_rms, residual=residual, weight=weight, bias=bias, quantize=quantize,
@@ -93,7 +95,7 @@ def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: 
         if split is not None:
             parts, groups = split
             return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), (m, parts))
-        config = forward_config(key._replace(split=False))
+        config = forward_config(key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
 
@@ -136,9 +138,10 @@ def _backward_plan(m: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, dh
     device = device_of(device_index)
     # (residual: the gradient of h flows in; the decode rows are measured for one weight row only)
     key = NormKey(is_rms, dtype, dh_dtype is not None, n, m, persistent_programs(device, 1) if heads == 1 else 0,
-                  heads == 1)
+                  heads == 1, model_of(device).depth)
+    tuned = tuned_of(device)
     if config is None:
-        config = backward_config(key)
+        config = backward_config(key, tuned)
     else:
         check_config(config, n, backward=True)
     # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
@@ -153,7 +156,7 @@ def _backward_plan(m: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, dh
                                    **switches)
             return _with_sums(handle, (programs * parts,), (m + programs, parts, 2), None, programs, heads * n,
                               switches)
-        config = backward_config(key._replace(split=False))
+        config = backward_config(key._replace(split=False), tuned)
     chunks = 1 if config.one_pass else cdiv(n, config.block_n)
     programs = max(1, min(cdiv(m // heads, config.block_m),
                           cdiv(persistent_programs(device, config.per_sm), heads * chunks)))

@@ -7,7 +7,10 @@ that makes one from the key (``FwdRows``, ``FwdDecode``, ``FwdTail``, ``BwdRows`
 ``BwdTail``); what is not a width range is a named predicate over the key (``when``). The first
 row that matches the key is taken. Decode rows (``decode=``) are skipped at first; where the
 configuration found without them would launch too few row tiles to fill the GPU (their
-predicate), the first row that matches with them is taken.
+predicate), the first row that matches with them is taken. The rows hold what the H100 of the
+results needs; a device that needs more loads in flight per multiprocessor (``NormKey.depth``,
+``_device.DeviceModel.depth``) gets each configuration ``deepened``. Where ``llmkernels tune``
+measured a key of training sizes on this device, its cache gives the configuration instead.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import _device
 from .._launch import cdiv, next_pow2
 from .configs import CONFIGS, BackwardConfig, BwdConfig, ForwardConfig, FwdConfig, SplitBwdConfig, SplitFwdConfig
 
@@ -37,7 +41,8 @@ def row_block(n: int) -> int:
 class NormKey(NamedTuple):
     """What the tables choose by: the norm, its input dtype (the backward's: of x, or of h =
     x + residual), the residual add, the rows (``m`` of ``n``), the multiprocessors (``sms``; 0:
-    unknown, no decode rows) and whether the row may be split (one weight row)."""
+    unknown, no decode rows), whether the row may be split (one weight row) and the device's
+    ``depth`` (loads in flight a multiprocessor, in the H100's: ``DeviceModel.depth``)."""
 
     is_rms: bool
     dtype: torch.dtype
@@ -46,6 +51,7 @@ class NormKey(NamedTuple):
     m: int
     sms: int = 0
     split: bool = True
+    depth: int = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,12 +246,12 @@ class Table:
         raise LookupError(f"no launch configuration for {key}")
 
     def resolve(self, key: NormKey):
-        """The configuration of ``key``."""
+        """The configuration of ``key``, deepened to its device's depth."""
         config = self.entry(key).make(key)
         found = self.entry(key, decode=True)
         if found.decode is not None and found.decode(key, config):
-            return found.make(key, config)
-        return config
+            config = found.make(key, config)
+        return config.deepened(key.depth)
 
 
 # The results that chose the entries, by folder under benchmarks/results/ and file.
@@ -367,11 +373,26 @@ BACKWARD = Table(
 )
 
 
-def forward_config(key: NormKey) -> ForwardConfig:
-    """The forward's configuration for ``key`` (``FORWARD``)."""
-    return FORWARD.resolve(key)
+def tuned_name(key: NormKey, direction: str) -> str:
+    """The key of ``llmkernels tune``'s cache: direction (fwd / bwd), norm, dtype, residual, width."""
+    return (f"norm/{direction}/{'rms' if key.is_rms else 'ln'}/{str(key.dtype).removeprefix('torch.')}/"
+            f"{'res' if key.residual else 'nores'}/{key.n}")
 
 
-def backward_config(key: NormKey) -> BackwardConfig:
-    """The backward's configuration for ``key`` (``BACKWARD``)."""
-    return BACKWARD.resolve(key)
+def _tuned(key: NormKey, direction: str, tuned: _device.Tuned):
+    """The tuned configuration of ``key``, where one was measured at its sizes (training sizes,
+    not decode) and can run it (a split only where the row may be split)."""
+    if not tuned.entries or (key.sms and key.m <= DECODE_ROWS):
+        return None
+    config = tuned.config(tuned_name(key, direction), CONFIGS)
+    return None if isinstance(config, (SplitFwdConfig, SplitBwdConfig)) and not key.split else config
+
+
+def forward_config(key: NormKey, tuned: _device.Tuned = _device.NONE) -> ForwardConfig:
+    """The forward's configuration for ``key``: ``tuned``'s, else ``FORWARD``'s."""
+    return _tuned(key, "fwd", tuned) or FORWARD.resolve(key)
+
+
+def backward_config(key: NormKey, tuned: _device.Tuned = _device.NONE) -> BackwardConfig:
+    """The backward's configuration for ``key``: ``tuned``'s, else ``BACKWARD``'s."""
+    return _tuned(key, "bwd", tuned) or BACKWARD.resolve(key)

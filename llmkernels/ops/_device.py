@@ -1,0 +1,275 @@
+"""The device model every family's launch choice reads, and the tuned configurations.
+
+``device_model(device)``: the multiprocessors, registers, shared memory and L2 of a GPU, and its
+device-to-device copy bandwidth: measured by ``llmkernels tune`` (kept in the tuned cache), else
+estimated from the memory clock and bus width. From it follows ``depth``: how many times the
+loads in flight per multiprocessor of the device the tables were measured on (``REFERENCE``, an
+H100) this device needs to reach its bandwidth (Little's law: bytes in flight = bandwidth x
+latency, per multiprocessor). The families' rules scale their bytes-in-flight knobs (pipeline
+stages, programs a multiprocessor) by it, so a device at the H100's bandwidth per multiprocessor
+gets exactly the H100's configurations.
+
+``tuned(device)``: the configurations ``llmkernels tune`` measured best on this device, read once
+per device from the user's cache (``$XDG_CACHE_HOME/llmkernels`` or ``~/.cache/llmkernels``,
+one file per device name, Triton and llmkernels version), else from the caches shipped for the
+GPUs we measured (``llmkernels/ops/tuned/``). ``LLMKERNELS_TUNED=0`` hides both: the derived
+heuristic alone, as on an unknown GPU. A family looks its key up when it makes a launch plan,
+never on a call.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from typing import Optional
+
+import torch
+
+from ._triton import triton
+
+FORMAT = 1  # the tuned cache's layout; a file of another is ignored
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+# Loaded DRAM latency assumed for Little's law (ns): only the ratio of two devices' needs is
+# used for choices, so its value scales the reported bytes in flight, not a configuration.
+LATENCY_NS = 800
+# Fraction of the clocks' peak that a device-to-device copy reaches (H100 SXM: 2950-3020 of
+# 3352 GB/s; H200: about 4130 of 4800), for a device whose copy was not measured.
+COPY_EFFICIENCY = 0.88
+# A device needs more loads in flight than the reference only past this ratio of bandwidth per
+# multiprocessor: the H100's own run-to-run spread of the copy stays well inside it.
+DEPTH_STEP = 1.2
+MAX_DEPTH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """What a launch choice needs to know of a device."""
+
+    name: str
+    sms: int
+    registers_per_sm: int
+    shared_memory_per_sm: int  # bytes a program may use (the opt-in maximum)
+    l2_bytes: int
+    copy_gbps: float  # device-to-device copy, bytes read + written
+    copy_source: str = "measured"  # measured (llmkernels tune), clocks (estimated) or assumed
+
+    @property
+    def gbps_per_sm(self) -> float:
+        return self.copy_gbps / self.sms
+
+    @property
+    def in_flight_per_sm(self) -> int:
+        """Bytes a multiprocessor must keep loading at once to reach the copy bandwidth (GB/s
+        are bytes a ns)."""
+        return round(self.gbps_per_sm * LATENCY_NS)
+
+    @property
+    def depth(self) -> int:
+        """The power of two (1 to MAX_DEPTH) of the reference's loads in flight per
+        multiprocessor that this device needs: 1 up to DEPTH_STEP times its bandwidth per
+        multiprocessor, 2 up to twice that, ..."""
+        ratio = self.gbps_per_sm / REFERENCE.gbps_per_sm
+        return min(MAX_DEPTH, 1 << max(0, math.ceil(math.log2(ratio / DEPTH_STEP))))
+
+
+# The device the tables were measured on (benchmarks/results/): an H100 SXM at its measured copy.
+REFERENCE = DeviceModel("NVIDIA H100 80GB HBM3", sms=132, registers_per_sm=65536, shared_memory_per_sm=232448,
+                        l2_bytes=50 * 2**20, copy_gbps=3000.0)
+# Triton's interpreter runs a handful of programs (``_launch.persistent_programs``) at the
+# reference's bandwidth each, so CPU tests take the reference's choices.
+INTERPRETER = dataclasses.replace(REFERENCE, name="cpu (Triton interpreter)", sms=4,
+                                  copy_gbps=REFERENCE.gbps_per_sm * 4, copy_source="assumed")
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA index of ``device`` (its own, or the current device's); -1 for the CPU."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def slug(name: str) -> str:
+    """A device name as a file name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _driver_properties(index: int) -> dict:
+    try:  # Triton's driver utilities are not public API: an empty dict falls back to torch's
+        return dict(triton.runtime.driver.active.utils.get_device_properties(index))
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def device_model(index: int) -> DeviceModel:
+    """The model of CUDA device ``index`` (-1: the interpreter's), made once: its properties,
+    and its copy bandwidth from the tuned cache, else its clocks, else the reference's per
+    multiprocessor."""
+    if index < 0:
+        return INTERPRETER
+    props, driver = torch.cuda.get_device_properties(index), _driver_properties(index)
+    sms = props.multi_processor_count
+    copy, source = tuned(index).copy_gbps, "measured"
+    if copy is None:
+        clock = getattr(props, "memory_clock_rate", 0) or driver.get("mem_clock_rate", 0)  # kHz
+        bus = getattr(props, "memory_bus_width", 0) or driver.get("mem_bus_width", 0)  # bits
+        copy, source = (COPY_EFFICIENCY * 2 * clock * 1e3 * bus / 8 / 1e9, "clocks") if clock and bus else (
+            REFERENCE.gbps_per_sm * sms, "assumed")
+    return DeviceModel(props.name, sms, driver.get("max_num_regs", REFERENCE.registers_per_sm),
+                       driver.get("max_shared_mem", getattr(props, "shared_memory_per_block_optin", 0))
+                       or REFERENCE.shared_memory_per_sm,
+                       getattr(props, "L2_cache_size", REFERENCE.l2_bytes), float(copy), source)
+
+
+def model_of(device: torch.device) -> DeviceModel:
+    return device_model(device_index(device))
+
+
+# --------------------------------------------------------------------------------------------
+# configurations as JSON records
+# --------------------------------------------------------------------------------------------
+def as_record(config) -> dict:
+    """A frozen configuration as JSON: its type's name and its fields (records within records
+    too)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {"type": type(config).__name__,
+            **{k: as_record(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
+               for k, v in fields.items()}}
+
+
+def from_record(record: dict, types):
+    """The configuration of ``record`` (``as_record``'s), one of ``types`` (classes, or records
+    within them); ValueError where it names another type or other fields."""
+    by_name = {t.__name__: t for t in types}
+    kind = by_name.get(record.get("type"))
+    if kind is None:
+        raise ValueError(f"a {record.get('type')!r} record is none of {sorted(by_name)}")
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    values = {}
+    for name, value in record.items():
+        if name == "type":
+            continue
+        if name not in fields:
+            raise ValueError(f"{kind.__name__} has no field {name!r}")
+        values[name] = (from_record(value, types) if isinstance(value, dict) else
+                        tuple(value) if isinstance(value, list) else value)
+    return kind(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# the tuned cache
+# --------------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    """Where ``llmkernels tune`` writes: ``$XDG_CACHE_HOME/llmkernels``, else ``~/.cache/llmkernels``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "llmkernels")
+
+
+def versions() -> dict:
+    from .. import __version__
+
+    return {"triton": getattr(triton, "__version__", None), "llmkernels": __version__}
+
+
+def user_cache_path(name: str) -> str:
+    """The user's cache file of device ``name`` for this Triton and llmkernels."""
+    v = versions()
+    return os.path.join(cache_dir(), f"{slug(name)}-triton{v['triton']}-llmkernels{v['llmkernels']}.json")
+
+
+def shipped_cache_path(name: str) -> str:
+    return os.path.join(SHIPPED, f"{slug(name)}.json")
+
+
+def hidden() -> bool:
+    """``LLMKERNELS_TUNED=0``: no tuned cache is read (the derived heuristic alone)."""
+    return os.environ.get("LLMKERNELS_TUNED", "1") == "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """The tuned configurations of one device: ``entries`` by key (``<family>/...``, each a
+    record with the configuration under ``config``), from ``path`` (None: none was found)."""
+
+    path: Optional[str] = None
+    entries: dict = dataclasses.field(default_factory=dict)
+    copy_gbps: Optional[float] = None
+
+    @property
+    def source(self) -> str:
+        return self.path or "heuristic"
+
+    def config(self, key: str, types):
+        """The tuned configuration of ``key`` (one of ``types``), or None."""
+        entry = self.entries.get(key)
+        return None if entry is None else from_record(entry["config"], types)
+
+
+NONE = Tuned()
+
+
+def read_cache(path: str) -> Tuned:
+    """The cache at ``path``; ``NONE`` where it is missing or of another format."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return NONE
+    if data.get("format") != FORMAT:
+        return NONE
+    return Tuned(path, dict(data.get("entries", {})), data.get("copy_gbps"))
+
+
+def load(name: str) -> Tuned:
+    """The tuned cache of device ``name``: the user's for this Triton and llmkernels, else the
+    shipped one, else ``NONE`` (also when ``hidden()``)."""
+    if hidden():
+        return NONE
+    for path in (user_cache_path(name), shipped_cache_path(name)):
+        found = read_cache(path)
+        if found.path is not None:
+            return found
+    return NONE
+
+
+@functools.lru_cache(maxsize=None)
+def tuned(index: int) -> Tuned:
+    """The tuned cache of CUDA device ``index``, read once (-1, the interpreter: none)."""
+    return NONE if index < 0 else load(torch.cuda.get_device_name(index))
+
+
+def tuned_of(device: torch.device) -> Tuned:
+    return tuned(device_index(device))
+
+
+def forget() -> None:
+    """Read the device models and caches again at their next use (after ``llmkernels tune``
+    wrote one); launch plans made before keep what they chose."""
+    device_model.cache_clear()
+    tuned.cache_clear()
+
+
+@contextlib.contextmanager
+def heuristic_only():
+    """Meanwhile no tuned cache is read and the device models take no measured copy (the
+    derived heuristic alone, as on an unknown GPU); every launch plan is dropped on entry and on
+    exit, so that none made under one source serves the other."""
+    from . import _launch
+
+    saved = os.environ.get("LLMKERNELS_TUNED")
+    os.environ["LLMKERNELS_TUNED"] = "0"
+    forget()
+    _launch.clear_plans()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["LLMKERNELS_TUNED"]
+        else:
+            os.environ["LLMKERNELS_TUNED"] = saved
+        forget()
+        _launch.clear_plans()

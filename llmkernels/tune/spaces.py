@@ -1,0 +1,165 @@
+"""What ``llmkernels tune`` searches: one ``Task`` per tuned-cache key (or per part of a key's
+record), on a case of the benchmark's op (``llmkernels.bench``: its inputs, its float64
+reference and its minimum bytes), with the derived configuration first among the candidates.
+
+Candidates are the heuristic at the device's depth and at the other depths, and a few
+neighbours of it along the knobs that decide bytes in flight (rows or columns a program, warps,
+pipelining stages, programs a multiprocessor): few, because each compiles once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import torch
+
+import llmkernels
+
+from ..bench.ops_norm import LN_EPS, RMS_EPS
+from ..bench.ops_rope import HK, HQ, D
+from ..ops import _device
+from ..ops.configs import cross_entropy as ce
+from ..ops.configs import rope
+from ..ops.norm import BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig, SplitFwdConfig
+from ..ops.norm.tables import BWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX, backward_config, forward_config, row_block, tuned_name
+from ..ops.rope import rope_launch
+
+NORM_WIDTHS = (1024, 2304, 4096, 5120, 8192, 14336, 18432, 32768, 53248, 65536, 131072)
+VOCABS = (32000, 128256, 262144)
+ROPE_SEQ = 4096  # RoPE: Llama's heads (bench.ops_rope) at this sequence length
+NORM_ELEMENTS = 2**26  # elements of a norm's x: 128 MiB in bf16, well past the L2 of any GPU
+LOGITS = 2**28  # logits of a cross-entropy case: 512 MiB in bf16
+ROPE_BATCH = 4  # q of 4 x 32 x 4096 x 128: 128 MiB in bf16
+DEPTHS = (1, 2, 4)
+NORM_OPS = {"rmsnorm": (True, False), "layernorm": (False, False), "add_rmsnorm": (True, True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One search: ``candidates`` (the heuristic first) of the configuration of ``key`` (its
+    ``part``, a field of the key's record, where the record is searched a part at a time), each
+    called as ``call(config)`` -> a provider's ``fwd(**inputs)`` of bench op ``op`` at ``size``
+    (``rows`` rows), checked against its reference and timed in ``mode``."""
+
+    key: str
+    op: str
+    size: int
+    rows: Optional[int]
+    mode: str
+    heuristic: object
+    candidates: tuple
+    call: Callable
+    part: Optional[str] = None
+    mutates: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.key if self.part is None else f"{self.key}#{self.part}"
+
+
+def _unique(configs) -> tuple:
+    return tuple(dict.fromkeys(configs))
+
+
+def _fits(config, n: int) -> bool:
+    """Launchable rows of ``n`` within the kernels' registers (at most 64 elements a thread of a
+    held tile in the backward, 128 in the forward)."""
+    try:
+        config.check(n)
+    except (TypeError, ValueError):
+        return False
+    threads = 32 * config.num_warps
+    if isinstance(config, (SplitFwdConfig, SplitBwdConfig)):
+        return config.block_n <= (128 if isinstance(config, SplitFwdConfig) else 64) * threads
+    held = config.block_m * (config.block_n + config.tail_n) if config.one_pass else config.block_n
+    return held <= (128 if isinstance(config, FwdConfig) else 64) * threads and config.block_m * config.block_n <= 65536
+
+
+def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
+    """Configurations near the tables' for rows of ``n``: whole rows of other tiles and warps,
+    pipelining stages and programs a multiprocessor; for wide rows, split slices and programs."""
+    bn = row_block(n)
+    if not backward:
+        near = [FwdConfig(max(1, tile // bn), bn, warps) for tile in (4096, 8192, 16384) for warps in (4, 8, 16, 32)
+                if n <= FWD_ONE_PASS_MAX and max(1, tile // bn) * bn // warps in (512, 1024)]
+        if split and n > BWD_ONE_PASS_MAX:
+            near += [SplitFwdConfig(4096, 4, 4), SplitFwdConfig(8192, 8, 2), SplitFwdConfig(8192, 4, 2),
+                     SplitFwdConfig(16384, 16, 1)]
+        return near
+    near = [BwdConfig(max(1, tile // bn), bn, warps, per_sm=per_sm, prefetch=prefetch)
+            for tile in (8192, 16384) for warps, per_sm, prefetch in ((8, 1, 3), (8, 1, 4), (16, 1, 3), (16, 2, 1))
+            if n <= BWD_ONE_PASS_MAX]
+    if split and n > BWD_ONE_PASS_MAX // 2:
+        near += [SplitBwdConfig(block_n, warps, stages) for block_n, warps in ((4096, 8), (8192, 8), (8192, 16))
+                 for stages in (3, 4)]
+    return near
+
+
+def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OPS), dtype=torch.bfloat16,
+               rows: Optional[int] = None, limit: int = 0) -> list:
+    """The norms' tasks: forward and backward of each op at each width (``rows``: None, the
+    widths' default of NORM_ELEMENTS; ``limit``: at most that many candidates, 0 all)."""
+    tasks = []
+    for op, n, backward in ((op, n, backward) for n in widths for op in ops for backward in (True, False)):
+        is_rms, residual = NORM_OPS[op]
+        m = rows or max(1, NORM_ELEMENTS // n)
+        key = NormKey(is_rms, dtype, residual, n, m, model.sms, True, model.depth)
+        choose = backward_config if backward else forward_config
+        heuristic = choose(key)
+        candidates = _unique([heuristic, *(choose(key._replace(depth=d)) for d in DEPTHS),
+                              *_norm_neighbours(n, backward, key.split)])
+        candidates = tuple(c for c in candidates if _fits(c, n))[:limit or None]
+        public = functools.partial(llmkernels.rms_norm if is_rms else llmkernels.layer_norm,
+                                   eps=RMS_EPS if is_rms else LN_EPS, **({"prenorm": True} if residual else {}))
+
+        def call(config, public=public, backward=backward):
+            return functools.partial(public, config=NormConfig(**{"backward" if backward else "forward": config}))
+        tasks.append(Task(tuned_name(key, "bwd" if backward else "fwd"), op, n, m, "bwd" if backward else "fwd",
+                          heuristic, candidates, call))
+    return tasks
+
+
+def ce_tasks(model: _device.DeviceModel, vocabs=VOCABS, rows: Optional[int] = None, limit: int = 0) -> list:
+    """Cross-entropy's tasks at each vocabulary: the in-place forward + backward's split (its
+    slice, warps and programs a multiprocessor), then the forward alone's chunk and warps."""
+    heuristic = ce.DEFAULT_CONFIG.deepened(model.depth)
+    inplace = [ce.DEFAULT_CONFIG.deepened(d).split_inplace for d in DEPTHS]
+    inplace += [dataclasses.replace(heuristic.split_inplace, block_v=block_v, num_warps=warps, per_sm=per_sm)
+                for block_v, warps, per_sm in ((32768, 32, 1), (16384, 16, 1), (16384, 8, 2), (8192, 8, 2))]
+    forward = [dataclasses.replace(heuristic.forward, block_v=block_v, num_warps=warps)
+               for block_v, warps in ((16384, 8), (8192, 8), (16384, 16), (32768, 16))]
+    tasks = []
+    for v in vocabs:
+        m = rows or 1 << ((LOGITS // v).bit_length() - 1)
+        for part, mode, values, public in (
+                ("split_inplace", "fwd+bwd", inplace,
+                 functools.partial(llmkernels.cross_entropy, inplace_backward=True, check_targets=False)),
+                ("forward", "fwd", forward, functools.partial(llmkernels.cross_entropy, check_targets=False))):
+            candidates = _unique(dataclasses.replace(heuristic, **{part: value}) for value in values)
+            candidates = _unique([heuristic, *candidates])[:limit or None]
+            tasks.append(Task(ce.tuned_name(v), "cross_entropy", v, m, mode, heuristic, candidates,
+                              lambda config, public=public: functools.partial(public, config=config), part,
+                              mutates=mode == "fwd+bwd"))
+    return tasks
+
+
+def _rope_call(tiles: rope.RopeTiles):
+    """A provider of bench op ``rope`` (``[B, H, S, D]``) rotating into new tensors by the rule
+    ``tiles`` (the backward is the same kernel rotating the other way: the forward is timed)."""
+    def fwd(q, k, cos, sin):
+        b, hq, s, d = q.shape
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        rope_launch(q, k, cos, sin, None, False, d, False, q_out, k_out,
+                    config=rope.rope_config(b * s, hq, k.shape[1], d, tiles), layout="bhsd")
+        return q_out, k_out
+    return fwd
+
+
+def rope_tasks(model: _device.DeviceModel, seq: int = ROPE_SEQ, rows: Optional[int] = None, limit: int = 0) -> list:
+    """RoPE's task at the benchmark's (Llama's) heads: elements a step and warps."""
+    heuristic = rope.DEFAULT_TILES.deepened(model.depth)
+    candidates = _unique([heuristic, *(rope.DEFAULT_TILES.deepened(d) for d in DEPTHS),
+                          *(rope.RopeTiles(tile, warps) for tile, warps in ((2048, 8), (4096, 8), (512, 4)))])
+    return [Task(rope.tuned_name(D, HQ, HK), "rope", seq, rows or ROPE_BATCH, "fwd", heuristic,
+                 candidates[:limit or None], _rope_call)]

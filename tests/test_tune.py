@@ -1,0 +1,67 @@
+"""``llmkernels tune --tiny`` on CPU through the interpreter: every task's candidates checked
+against the float64 reference, the cache written after each task, a second run resuming with
+nothing left, a budget stopping between tasks, and the written cache read back as the device's
+configurations."""
+import json
+
+import pytest
+import torch
+
+from llmkernels import cli
+from llmkernels.ops import _device
+from llmkernels.ops.configs import cross_entropy as ce
+from llmkernels.ops.norm import NormKey, backward_config, forward_config
+from llmkernels.ops.norm.configs import CONFIGS
+from llmkernels.ops.norm.tables import tuned_name
+from tests.conftest import INTERPRETED
+
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--tiny is the CPU check; the GPU runs the real search")
+
+
+def _tune(tmp_path, *args):
+    out = tmp_path / "cache.json"
+    assert cli.main(["tune", "--tiny", "--out", str(out), *args]) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_tiny_tune_writes_checked_configs_and_resumes(tmp_path, capsys):
+    out, state = _tune(tmp_path, "--ops", "norm,ce", "--widths", "1000", "--norm-ops", "rmsnorm")
+    assert state["device"] == _device.INTERPRETER.name and state["format"] == _device.FORMAT
+    assert {"triton", "llmkernels", "torch", "copy_gbps", "command", "date"} <= set(state)
+    key = NormKey(True, torch.bfloat16, False, 1000, 5)
+    assert set(state["entries"]) == {tuned_name(key, "fwd"), tuned_name(key, "bwd"), ce.tuned_name(9000)}
+    for name, search in state["searches"].items():
+        assert search["candidates"][0] == search["heuristic"], name
+        for tried in search["candidates"]:
+            assert "failed" in tried or tried["rel_err"] <= 2e-2, (name, tried)
+    assert sorted(state["entries"][ce.tuned_name(9000)]["parts"]) == ["forward", "split_inplace"]
+    text = capsys.readouterr().out
+    assert "[1/4]" in text and "done: 3 keys" in text
+    # resumed: nothing searched again
+    _tune(tmp_path, "--ops", "norm,ce", "--widths", "1000", "--norm-ops", "rmsnorm")
+    assert "0 of 4 tasks to search" in capsys.readouterr().out
+    # the written cache gives the device its configurations
+    tuned = _device.read_cache(str(out))
+    assert tuned.path == str(out)
+    for direction, choose in (("fwd", forward_config), ("bwd", backward_config)):
+        chosen = _device.from_record(state["searches"][tuned_name(key, direction)]["chosen"], CONFIGS)
+        assert choose(key._replace(sms=4, m=4096), tuned) == chosen
+    assert isinstance(tuned.config(ce.tuned_name(9000), ce.RECORDS), ce.CrossEntropyConfig)
+
+
+def test_budget_stops_between_tasks(tmp_path, capsys):
+    """A budget spent after the first task leaves the rest for the next run."""
+    _, state = _tune(tmp_path, "--ops", "rope,norm", "--widths", "256", "--norm-ops", "layernorm",
+                     "--budget", "0.001")
+    assert len(state["searches"]) == 1
+    assert "tasks left; run the same command again" in capsys.readouterr().out
+
+
+def test_unknown_family_and_no_gpu(capsys):
+    assert cli.main(["tune", "--tiny", "--ops", "nope"]) == 2 and "unknown --ops" in capsys.readouterr().err
+    assert cli.main(["tune"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_env_names_the_configuration_source(capsys):
+    assert cli.main(["env"]) == 0
+    assert "configs       heuristic" in capsys.readouterr().out

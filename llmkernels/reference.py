@@ -172,11 +172,11 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, check_targets=True,
-                         compute_dtype=torch.float32):
+                         compute_dtype=torch.float32, logits_dtype=None):
     """``cross_entropy(hidden @ weight.T + bias, target, ...)``; see
     ``llmkernels.linear_cross_entropy``. Returns ``(loss, z_loss_part, lse)`` as ``cross_entropy``,
     the first two in float32 (float64 for float64 inputs)."""
-    logits = _linear_logits(hidden, weight, bias, 1.0, compute_dtype)
+    logits = _linear_logits(hidden, weight, bias, 1.0, compute_dtype, logits_dtype)
     loss, z, lse = cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                  label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                  check_targets=check_targets, compute_dtype=compute_dtype)
@@ -214,10 +214,14 @@ def glu(gate, up, activation="silu", *, compute_dtype=torch.float32):
 DISTILL_KINDS = ("jsd", "forward_kl", "reverse_kl")
 
 
-def _linear_logits(hidden, weight, bias, temperature, compute_dtype):
+def _linear_logits(hidden, weight, bias, temperature, compute_dtype, logits_dtype=None):
+    """``(hidden @ weight.T + bias) / temperature``; ``logits_dtype``: round the product to it
+    first, as the kernels' cuBLAS product is (in value only: the gradient passes straight)."""
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
     if bias is not None:
         logits = logits + bias.to(compute_dtype)
+    if logits_dtype is not None:
+        logits = logits + (logits.to(logits_dtype).to(compute_dtype) - logits).detach()
     return logits / temperature
 
 
@@ -248,11 +252,11 @@ def _plogq(p, log_q):
 
 
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, ignore_index=-100, check_targets=True,
-                     compute_dtype=torch.float32):
+                     compute_dtype=torch.float32, logits_dtype=None):
     """Per-token ``log p(target)`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``;
     see ``llmkernels.linear_log_probs``. Returns ``(logp [M], entropy [M])`` in float32 (float64
     for float64 inputs), both 0 on rows whose target is ``ignore_index``."""
-    z = _linear_logits(hidden, weight, bias, temperature, compute_dtype)
+    z = _linear_logits(hidden, weight, bias, temperature, compute_dtype, logits_dtype)
     valid, in_range = _target_rows(target, z.shape[-1], ignore_index, check_targets)
     log_p = torch.log_softmax(z, dim=-1)
     logp = log_p.gather(-1, torch.where(valid & in_range, target, 0).long()[:, None])[:, 0]
@@ -278,14 +282,15 @@ def distill_divergence(student_log_q, teacher_log_p, *, kind="jsd", beta=0.5):
 
 def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *, kind="jsd",
                         beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean", check_targets=True,
-                        compute_dtype=torch.float32):
+                        compute_dtype=torch.float32, logits_dtypes=(None, None)):
     """Distillation loss between the student's and the teacher's ``softmax(hidden @ weight.T /
     temperature)``; see ``llmkernels.linear_distill_loss``. Rows whose ``target`` is
     ``ignore_index`` contribute 0 (``mean`` divides by the other rows); the target is a mask only
-    (``check_targets``: ValueError for one outside ``[0, V)``). Float32 (float64 for float64
-    inputs)."""
-    zs = _linear_logits(student_hidden, student_weight, None, temperature, compute_dtype)
-    zt = _linear_logits(teacher_hidden, teacher_weight, None, temperature, compute_dtype)
+    (``check_targets``: ValueError for one outside ``[0, V)``). ``logits_dtypes``: the dtypes
+    the student's and the teacher's logits are rounded to (``_linear_logits``). Float32 (float64
+    for float64 inputs)."""
+    zs = _linear_logits(student_hidden, student_weight, None, temperature, compute_dtype, logits_dtypes[0])
+    zt = _linear_logits(teacher_hidden, teacher_weight, None, temperature, compute_dtype, logits_dtypes[1])
     rows = distill_divergence(torch.log_softmax(zs, -1), torch.log_softmax(zt, -1), kind=kind, beta=beta)
     valid = (torch.ones_like(rows, dtype=torch.bool) if target is None
              else _target_rows(target, zs.shape[-1], ignore_index, check_targets)[0])

@@ -12,9 +12,13 @@ Stages, in order:
      budgets; half the batch at three sizes of the top budget (the batch check).
 Sizes that would see fewer than ``min_tokens_per_param`` tokens a parameter are skipped.
 
-GPU time of the default (``estimate``, from ``plan.StepCost``, upper windows on the prior centre):
-about 16.5 minutes on one H100 in one piece (130 runs, 1,270 s of runs and 45 s of data and
-compilation), one more minute for each further 10-minute piece.
+GPU time of the default, and how it was sized: ``estimate`` sums ``plan.StepCost`` (seconds a step
+on one H100, fitted to the 71 kernels-backend runs of the committed 2026-11-25 sweep, rms error
+2.7%) over every planned run, plus 45 s of data preparation and compilation per invocation. 123
+runs (30 learning-rate, 72 IsoFLOP, 21 checks): 12.7 minutes in one piece with the upper windows
+on the prior centre, 14.4 with them on an optimum of 80 tokens a parameter (smaller models, more
+steps), 1.5 more in three 10-minute pieces; the learning-rate extensions add up to about 0.5 s
+to 5 s a run. 1e14-1e16 with the same layout would take about 27 minutes, over the 20 allowed.
 """
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """Compute-optimal scaling-law experiments on the kernels: ``llmkernels scaling`` /
 ``python -m llmkernels.scaling``.
 
-``plan`` (shapes, budgets, the hyperparameter rule; no torch), ``data`` (corpus, split, tokens,
-n-gram baselines), ``model`` (the decoder on either backend), ``train`` (one run, its step as one
-CUDA graph), ``fit`` (approaches 1-3, bootstrap, extrapolation, the learning-rate rule), ``report``
-(JSON, Markdown, figures), ``sweep`` (the command line) and ``runner`` (executing it).
+``plan`` (shapes, budgets, the batch and learning-rate rules, the GPU-time model; no torch),
+``design`` (which runs each stage trains), ``data`` (corpus, split, tokens, n-gram baselines),
+``model`` (the decoder on either backend), ``train`` (one run, its step as one CUDA graph), ``fit``
+(approaches 1 and 2, the learning-rate rule), ``surface`` (approach 3 and E's profile),
+``intervals`` (bootstrap, extrapolation, the quality gate), ``report`` and ``figures`` (JSON,
+Markdown, figures), ``store`` (the output folder's JSON files), ``runner`` (executing a sweep) and
+``sweep`` (the command line; imports run downward from it).
 ``main(argv) -> int`` runs the command line.
 """
 from .sweep import main

@@ -19,12 +19,12 @@ HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a 
 SEQ_LEN = 512
 BYTE_VOCAB = 320  # 256 bytes + end-of-text, padded to a multiple of 64 for the tensor cores
 
-# (layers, width): 0.18M to 45M total parameters at the byte vocabulary, about 1.25-1.4x apart,
-# width / layers between 21 and 72 (the shape matters little at fixed N: Kaplan et al. 2020).
+# (layers, width): 0.18M to 45M total parameters at the byte vocabulary, about 1.15-1.45x apart (the
+# last three fill gaps for 9-size windows 1.3x apart), width / layers between 10 and 72 (the shape matters little at fixed N: Kaplan et al. 2020).
 LADDER = [
     (3, 64), (4, 64), (2, 128), (3, 128), (4, 128), (5, 128), (3, 192), (4, 192), (5, 192), (4, 256),
     (5, 256), (6, 256), (5, 320), (6, 320), (7, 320), (6, 384), (7, 384), (8, 384), (7, 448), (8, 448), (8, 512),
-    (8, 576), (9, 640),
+    (8, 576), (10, 576), (9, 640), (6, 64), (6, 128), (6, 192),
 ]
 
 # Published fits for the report (Hoffmann et al. 2022, Table 2 / A; Besiroglu et al. 2024, Table 1).
@@ -35,6 +35,10 @@ PUBLISHED = {
     "besiroglu2024_approach3": {"E": 1.82, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3658,
                                 "E_se": 0.03, "alpha_se": 0.02, "beta_se": 0.02,
                                 "a": round(0.3658 / (0.3478 + 0.3658), 3), "b": round(0.3478 / (0.3478 + 0.3658), 3)},
+    # Porian et al. 2024 (NeurIPS), OpenWebText2 / RefinedWeb, 5M-901M parameters, ~1e16-1e19 FLOPs:
+    # Kaplan's a = 0.88 falls to about 0.5 once the head's FLOPs are counted, warm-up scales with
+    # the run and the learning rate, batch and AdamW beta2 are tuned per size.
+    "porian2024": {"a_kaplan_setup": 0.88, "a_corrected": 0.50},
 }
 
 
@@ -120,34 +124,82 @@ def budgets(lo: float, hi: float, count: int) -> list[float]:
 
 
 def prior_optimal_params(compute: float, tokens_per_param: float) -> float:
-    """The window's centre: ``N`` with ``C = 6·N·D`` and ``D = tokens_per_param·N`` (Chinchilla's 20)."""
+    """The prior window centre: ``N`` with ``C = 6·N·D`` and ``D = tokens_per_param·N``."""
     return math.sqrt(compute / (6.0 * tokens_per_param))
 
 
-def window(models: list[ModelConfig], compute: float, tokens_per_param: float, count: int,
-           span: float) -> list[ModelConfig]:
-    """``count`` sizes for one budget: targets spaced evenly in log from ``N_opt/span`` to
-    ``N_opt·span`` around the prior optimum, each the nearest unused ladder size; the two ends
-    rounded outward (at or below the lowest target, at or above the highest where the ladder
-    allows) so that the window covers at least ``[N_opt/span, N_opt·span]``."""
+def window(models: list[ModelConfig], compute: float, centre: float, count: int, span: float,
+           min_tokens_per_param: float = 0.0) -> list[ModelConfig]:
+    """``count`` sizes for one budget, as close as the ladder allows to targets spaced evenly in log
+    from ``centre/span`` to ``centre·span``: the increasing choice of ladder sizes with the least
+    squared log distance to the targets, the two ends rounded outward (at or below the lowest
+    target, at or above the highest, where the ladder allows) so that the window covers at least
+    ``[centre/span, centre·span]``. Sizes that would train on fewer than ``min_tokens_per_param``
+    tokens a parameter at this budget are not candidates (the window then reaches less far above
+    the centre and further below it)."""
     if count < 2:
         raise ValueError(f"sizes per budget must be >= 2, got {count}")
-    if len(models) < count:
-        raise ValueError(f"the ladder has {len(models)} sizes, fewer than {count} per budget")
-    centre = prior_optimal_params(compute, tokens_per_param)
-    targets = [centre * span ** (2 * i / (count - 1) - 1) for i in range(count)]
-    sizes = [m.total_params() for m in models]
-    picked: list[int] = []
-    for i, t in enumerate(targets):
-        order = sorted(range(len(models)), key=lambda j: abs(math.log(sizes[j] / t)))
-        if i == 0:
-            below = [j for j in range(len(models)) if sizes[j] <= t]
-            order = ([max(below, key=lambda j: sizes[j])] if below else []) + order
-        elif i == count - 1:
-            above = [j for j in range(len(models)) if sizes[j] >= t]
-            order = ([min(above, key=lambda j: sizes[j])] if above else []) + order
-        picked.append(next(j for j in order if j not in picked))
-    return [models[j] for j in sorted(picked)]
+    models = sorted((m for m in models if compute / m.flops_per_token() >= min_tokens_per_param * m.total_params()),
+                    key=ModelConfig.total_params)
+    if len(models) <= count:
+        return models
+    logs = [math.log(m.total_params()) for m in models]
+    targets = [math.log(centre) + math.log(span) * (2 * i / (count - 1) - 1) for i in range(count)]
+    allowed = [set(range(len(models))) for _ in targets]
+    below = {j for j, v in enumerate(logs) if v <= targets[0] + 1e-9 and j <= len(models) - count}
+    above = {j for j, v in enumerate(logs) if v >= targets[-1] - 1e-9 and j >= count - 1}
+    allowed[0], allowed[-1] = below or allowed[0], above or allowed[-1]
+    # cost[j]: the best choice for the targets so far ending at size j (increasing sizes: dynamic programming)
+    cost = {j: (logs[j] - targets[0]) ** 2 for j in allowed[0]}
+    back = [dict()]
+    for t, ok in zip(targets[1:], allowed[1:]):
+        new, links, best, arg = {}, {}, math.inf, None
+        for j in range(len(models)):
+            if best > cost.get(j - 1, math.inf):
+                best, arg = cost[j - 1], j - 1
+            if j in ok and arg is not None:
+                new[j], links[j] = best + (logs[j] - t) ** 2, arg
+        cost = new
+        back.append(links)
+    j = min(cost, key=cost.get)
+    picked = [j]
+    for links in reversed(back[1:]):
+        j = links[j]
+        picked.append(j)
+    return [models[j] for j in reversed(picked)]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU time: the estimate behind the default design and the runner's time-limit decisions
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one captured training step on one H100: a floor of launches and latency that
+    grows with the layers, plus the step's FLOPs at a rate that grows with the width (small
+    products fill the tensor cores less): ``fixed + per_layer·layers + flops / (rate·(width/512)^width_exp)``.
+
+    Fitted (least squares in log time) to the 71 kernels-backend runs of
+    ``benchmarks/results/scaling-h100-2026-11-25/`` (batches 16-256, 0.18M-45M parameters): rms
+    error 2.7%, largest 5.7%. ``run_overhead`` is a run's set-up, capture and evaluations there
+    (0.3-1 s, rounded up); ``process_overhead`` an invocation's data preparation (about 25 s) and
+    first kernel compilations (up to 20 s)."""
+
+    fixed: float = 3.4e-4
+    per_layer: float = 8.5e-5
+    rate: float = 300e12
+    width_exp: float = 0.71
+    run_overhead: float = 1.0
+    process_overhead: float = 45.0
+
+    def step_seconds(self, model: ModelConfig, batch: int) -> float:
+        flops = model.flops_per_token() * batch * model.seq_len
+        return self.fixed + self.per_layer * model.n_layers + flops / (self.rate * (model.width / 512) ** self.width_exp)
+
+    def run_seconds(self, run: "Run") -> float:
+        return self.run_overhead + run.steps * self.step_seconds(run.model, run.batch_size)
+
+
+H100 = StepCost()
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,10 +209,10 @@ def window(models: list[ModelConfig], compute: float, tokens_per_param: float, c
 class LRRule:
     """Peak learning rate ``lr = c · (N_total / 1e6)^(-gamma) · (batch_tokens / 2^15)^kappa``.
 
-    ``kappa`` is fixed at 1/2 (Adam's square-root batch scaling, Malladi et al. 2022): the batch
-    follows the token count (see ``HParams``), and the sweep's batches are too few to fit it.
-    ``c`` and ``gamma`` come from the learning-rate sweep (``fit.fit_lr_rule``) or, before it
-    has run, are this prior."""
+    ``kappa`` is fixed at 1/2 (Adam's square-root batch scaling, Malladi et al. 2022): the sweep
+    tries each budget's batch but too few batches to fit it (the report lists the rule's residual
+    at each batch). ``c`` and ``gamma`` come from the learning-rate sweep (``fit.fit_lr_rule``) or,
+    before it has run, are this prior."""
 
     c: float = 3e-3
     gamma: float = 0.25
@@ -171,30 +223,47 @@ class LRRule:
         return self.c * (n_params / 1e6) ** (-self.gamma) * (batch_tokens / 2**15) ** self.kappa
 
 
+def parse_batch_rule(spec: str) -> tuple:
+    """``BUDGET:SEQUENCES,...,SEQUENCES`` (e.g. ``1e14:16,5e14:32,64``): up to each budget that many
+    sequences a step, the last entry above every budget named."""
+    steps = []
+    for i, item in enumerate(spec.split(",")):
+        parts = item.strip().split(":")
+        try:
+            if len(parts) == 2 and i < spec.count(","):
+                steps.append((float(parts[0]), int(parts[1])))
+            elif len(parts) == 1 and i == spec.count(","):
+                steps.append((math.inf, int(parts[0])))
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--batch-rule: expected BUDGET:SEQUENCES,...,SEQUENCES, got {spec!r}") from None
+    if any(b <= 0 for _, b in steps) or [c for c, _ in steps] != sorted({c for c, _ in steps}):
+        raise ValueError(f"--batch-rule: budgets must rise and sequences be >= 1, got {spec!r}")
+    return tuple(steps)
+
+
 @dataclass(frozen=True)
 class HParams:
     """Settings of the rule that are not fitted.
 
-    Batch: ``tokens / (seq_len · target_steps)`` sequences, rounded to a power of two within
-    ``[min_batch, max_batch]``, so that every run takes a comparable number of optimizer steps
-    (about 400-1200, more only where a small model's many tokens meet the largest batch).
-    Warm-up ``warmup_frac`` of the steps (at least ``min_warmup``), then a cosine to
-    ``min_lr_ratio`` of the peak (Chinchilla's 10x decay over the run's own horizon). AdamW
-    (0.9, ``beta2``) with ``beta2 = 0.99`` for batches under 2^18 tokens (every batch here: 0.95
-    trains small batches worse, Porian et al. 2024), decoupled weight decay, global clip 1."""
+    Batch: one per budget (``batch_rule``: up to each budget that many sequences), the same for
+    every size, so that at a budget the sizes differ only in N and D (a batch per run, rounded from
+    its token count, made neighbouring sizes' step counts and losses zig-zag: issue 33). Warm-up
+    ``warmup_frac`` of the steps, then a cosine to ``min_lr_ratio`` of the peak over the run's own
+    length (Chinchilla's 10x decay). AdamW (0.9, ``beta2``) with ``beta2 = 0.99`` for batches under
+    2^18 tokens (every batch here: 0.95 trains small batches worse, Porian et al. 2024), decoupled
+    weight decay, global clip 1."""
 
-    target_steps: int = 600
-    min_batch: int = 16
-    max_batch: int = 256
-    warmup_frac: float = 0.05
-    min_warmup: int = 10
+    batch_rule: tuple = ((1e14, 16), (3e14, 32), (math.inf, 64))
+    warmup_frac: float = 0.03
+    min_warmup: int = 1
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
 
-    def batch(self, tokens: float, seq_len: int) -> int:
-        want = max(1.0, tokens / (seq_len * self.target_steps))
-        return int(min(self.max_batch, max(self.min_batch, 1 << max(0, round(math.log2(want))))))
+    def batch(self, budget: float) -> int:
+        return next(b for limit, b in self.batch_rule if budget <= limit * (1 + 1e-9))
 
     @staticmethod
     def beta2(batch_tokens: int) -> float:
@@ -203,9 +272,12 @@ class HParams:
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: a size at a compute budget, with its hyperparameters."""
+    """One training run: a size at a compute budget, with its hyperparameters.
 
-    stage: str  # "lr" (learning-rate sweep), "sweep" (the IsoFLOP grid), "seed", "backend" (checks)
+    Stages: ``lr`` (learning-rate sweep), ``sweep`` (the IsoFLOP grid), ``seed`` (a second seed),
+    ``batch`` (half the budget's batch), ``backend`` (the other backend)."""
+
+    stage: str
     budget: float
     model: ModelConfig
     batch_size: int
@@ -216,7 +288,6 @@ class Run:
     seed: int = 0
     backend: str = "kernels"
     lr_mult: float = 1.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -230,65 +301,21 @@ class Run:
     def id(self) -> str:
         tag = f"{self.stage}-C{self.budget:.3g}-{self.model.name}".replace("+", "")
         if self.stage == "lr":
-            tag += f"-x{self.lr_mult:g}"
+            tag += f"-x{self.lr_mult:.4g}"
+        if self.stage == "batch":
+            tag += f"-b{self.batch_size}"
         return f"{tag}-s{self.seed}-{self.backend}"
 
 
 def make_run(stage: str, budget: float, model: ModelConfig, rule: LRRule, hp: HParams, *, seed: int = 0,
-             backend: str = "kernels", lr_mult: float = 1.0) -> Run:
+             backend: str = "kernels", lr_mult: float = 1.0, batch: int | None = None) -> Run:
+    """The run of ``model`` at ``budget``: the budget's batch (or ``batch``), the steps that spend the
+    budget, the rule's rate at that batch times ``lr_mult``."""
+    batch = hp.batch(budget) if batch is None else batch
     tokens = budget / model.flops_per_token()
-    batch = hp.batch(tokens, model.seq_len)
     steps = max(1, round(tokens / (batch * model.seq_len)))
     batch_tokens = batch * model.seq_len
     return Run(stage=stage, budget=budget, model=model, batch_size=batch, steps=steps,
                lr=rule.lr(model.total_params(), batch_tokens) * lr_mult,
                warmup_steps=min(steps - 1, max(hp.min_warmup, round(hp.warmup_frac * steps))) if steps > 1 else 0,
                beta2=hp.beta2(batch_tokens), seed=seed, backend=backend, lr_mult=lr_mult)
-
-
-@dataclass(frozen=True)
-class Design:
-    """The whole experiment: which budgets, how many sizes, the learning-rate sweep and the checks."""
-
-    budget_lo: float = 1e14
-    budget_hi: float = 1e16
-    n_budgets: int = 6
-    sizes_per_budget: int = 7
-    span: float = 4.0
-    tokens_per_param: float = 20.0
-    lr_budgets: int = 2  # the learning-rate sweep runs at this many of the smallest budgets
-    lr_sizes: int = 3  # ... at this many sizes of each (the window's ends and middle)
-    lr_mults: tuple = (0.25, 0.5, 1.0, 2.0, 4.0)
-    check_budget: int = 1  # index of the budget rerun with a second seed and with the other backend
-    backend: str = "kernels"
-    check_backend: str = "reference"
-    seed: int = 0
-    checks: bool = True
-
-    def budgets(self) -> list[float]:
-        return budgets(self.budget_lo, self.budget_hi, self.n_budgets)
-
-    def lr_sweep(self, models, rule: LRRule, hp: HParams) -> list[Run]:
-        runs = []
-        for c in self.budgets()[: self.lr_budgets]:
-            sizes = window(models, c, self.tokens_per_param, self.sizes_per_budget, self.span)
-            picks = sorted({round(i * (len(sizes) - 1) / max(1, self.lr_sizes - 1)) for i in range(self.lr_sizes)})
-            for i in picks:
-                for mult in self.lr_mults:
-                    runs.append(make_run("lr", c, sizes[i], rule, hp, seed=self.seed, backend=self.backend,
-                                         lr_mult=mult))
-        return runs
-
-    def main_runs(self, models, rule: LRRule, hp: HParams) -> list[Run]:
-        """The IsoFLOP grid, then (when ``checks``) the check budget again with seed + 1 and with
-        the other backend."""
-        runs, cs = [], self.budgets()
-        for c in cs:
-            for m in window(models, c, self.tokens_per_param, self.sizes_per_budget, self.span):
-                runs.append(make_run("sweep", c, m, rule, hp, seed=self.seed, backend=self.backend))
-        if self.checks and cs:
-            c = cs[min(self.check_budget, len(cs) - 1)]
-            for m in window(models, c, self.tokens_per_param, self.sizes_per_budget, self.span):
-                runs.append(make_run("seed", c, m, rule, hp, seed=self.seed + 1, backend=self.backend))
-                runs.append(make_run("backend", c, m, rule, hp, seed=self.seed, backend=self.check_backend))
-        return runs

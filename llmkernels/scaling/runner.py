@@ -1,11 +1,13 @@
 """Executing a sweep: device and ranks, the data, each stage's runs (claimed one at a time by the
-ranks, skipped when finished, resumed from checkpoints), the learning-rate rule and the report."""
+ranks, skipped when finished, resumed from checkpoints), the learning-rate rule, the windows of the
+upper budgets and the report."""
 from __future__ import annotations
 
 import datetime as dt
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -14,39 +16,44 @@ from pathlib import Path
 import torch
 
 from . import data as data_mod
-from . import fit, report
-from .plan import LRRule, ladder_models
-from .sweep import EXIT_INCOMPLETE, _read_json, _read_rule, _write_json, design_from
+from . import fit, report, surface
+from .design import centres_from, design_from
+from .plan import H100, LRRule, ladder_models
+from .store import read_centres, read_json, read_rule, write_json
 from .train import TimeUp, TrainConfig, eval_windows, train_run
+
+EXIT_INCOMPLETE = 3
+STAGE_ORDER = {"lr": 0, "sweep": 1, "seed": 2, "batch": 3, "backend": 4}
 
 
 class Estimator:
-    """Predicted seconds of a run from the runs finished in this process: seconds a step scale
-    with FLOPs a step to the 0.8 from the nearest finished run (small steps are launch- and
-    latency-bound), plus a few seconds of set-up and evaluation. None: no guess (CPU, nothing yet)."""
+    """Predicted seconds of a run: ``plan.StepCost`` (an H100's) scaled by the median ratio of
+    measured to predicted seconds of the runs finished in this process. None: no guess (CPU
+    before its first run)."""
 
     def __init__(self, cuda: bool):
-        self.seen: list[tuple[float, float]] = []
+        self.ratios: list[float] = []
         self.cuda = cuda
 
-    def add(self, result: dict):
-        fps = result["flops_per_token"] * result["train"]["batch_size"] * result["model"]["seq_len"]
-        self.seen.append((fps, result["train_seconds"] / result["steps"]))
+    def add(self, run, result: dict):
+        self.ratios.append(result["wall_seconds"] / H100.run_seconds(run))
 
     def seconds(self, run) -> float | None:
-        fps = run.model.flops_per_token() * run.batch_size * run.model.seq_len
-        if self.seen:
-            f0, s0 = min(self.seen, key=lambda t: abs(math.log(t[0] / fps)))
-            per_step = s0 * (fps / f0) ** 0.8
-        elif self.cuda:
-            per_step = 2e-3 + fps / 150e12
-        else:
+        if not self.ratios and not self.cuda:
             return None
-        return 1.15 * run.steps * per_step + 5.0
+        return H100.run_seconds(run) * (statistics.median(self.ratios) if self.ratios else 1.0)
 
 
 def _fmt_seconds(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def claim_order(runs, timed: bool) -> list:
+    """The order every rank walks the runs in, claiming each unclaimed one: longest first (the ranks
+    end together), or under a time limit smallest budget first (each piece completes whole budgets)."""
+    if timed:
+        return sorted(runs, key=lambda r: (r.budget, STAGE_ORDER[r.stage], -r.compute))
+    return sorted(runs, key=lambda r: -H100.run_seconds(r))
 
 
 class Session:
@@ -89,40 +96,41 @@ class Session:
         a = self.args
         dcfg = data_mod.DataConfig(path=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                                    heldout_frac=a.heldout_frac, max_bytes=a.max_bytes, seed=a.data_seed)
-        corpus, error = None, None
+        corpus, failed = None, self.out / "data-error.txt"
         if self.rank == 0:
             for d in (self.runs_dir, self.ckpt_dir, self.claims):
                 d.mkdir(parents=True, exist_ok=True)
-            for stale in self.claims.iterdir():  # left by a killed earlier invocation
-                stale.unlink()
+            for stale in [*self.claims.iterdir(), failed]:  # left by a killed or failed earlier invocation
+                stale.unlink(missing_ok=True)
             try:
                 corpus = data_mod.prepare(dcfg, self.out / "data", log=self.log)
             except (OSError, ValueError, ImportError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            (self.out / "data-error.txt").write_text(error or "")
+                failed.write_text(f"{type(exc).__name__}: {exc}")
         self.barrier()
-        error = (self.out / "data-error.txt").read_text() or None
-        if error:
-            raise SystemExit(f"llmkernels scaling: data preparation failed: {error}")
+        if failed.exists():
+            raise SystemExit(f"llmkernels scaling: data preparation failed: {failed.read_text()}")
         return corpus or data_mod.prepare(dcfg, self.out / "data", log=lambda *_: None)
 
     def saved_meta(self) -> dict:
         """``--fit-only``: the data description (and dtype) the finished runs were trained with, read
         from their keys, so that runs made on another machine are fitted here as they are."""
         for path in sorted(self.runs_dir.glob("*.json")):
-            run = _read_json(path)
-            meta = run and "key" in run and _read_json(self.out / "data" / run["key"]["data"] / "meta.json")
+            run = read_json(path)
+            meta = run and "key" in run and read_json(self.out / "data" / run["key"]["data"] / "meta.json")
             if meta:
                 self.dtype_name = run["key"]["dtype"]
                 return meta
         raise SystemExit(f"--fit-only: no finished run with its data/<fingerprint>/meta.json under {self.out}")
 
     def claim(self, run_id: str) -> bool:
+        """Take ``run_id`` for this rank (a file made exclusively, holding the rank), False if taken."""
         try:
-            os.close(os.open(self.claims / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
+            fd = os.open(self.claims / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        os.write(fd, f"rank {self.rank}\n".encode())
+        os.close(fd)
+        return True
 
     def train_config(self, run) -> TrainConfig:
         a, hp = self.args, self.hp
@@ -135,22 +143,32 @@ class Session:
         return {"run": run.id, "model": run.model.to_dict(), "train": asdict(tcfg), "backend": run.backend,
                 "dtype": self.dtype_name, "data": self.fingerprint}
 
+    def finished(self, run) -> dict | None:
+        prev = read_json(self.runs_dir / f"{run.id}.json")
+        return prev if prev and prev.get("key") == self.key(run, self.train_config(run)) else None
+
+    def diverged(self, run, tcfg, exc) -> dict:
+        """The record of a run whose loss went non-finite: a result (no loss) so that it is not retried;
+        the learning-rate sweep counts it as the worst rate, the fits leave it out."""
+        m = run.model
+        return {"name": m.name, "backend": run.backend, "model": m.to_dict(), "train": asdict(tcfg),
+                "params": m.total_params(), "non_embedding_params": m.non_embedding_params(), "steps": run.steps,
+                "tokens": run.tokens, "compute": run.compute, "val_loss": None, "diverged": f"{exc}", "curve": [],
+                "train_seconds": 0.0, "wall_seconds": 0.0, "epochs": run.tokens / max(1, self.meta["train_tokens"]),
+                "device": str(self.device), "captured": False, "ops": {}, "tokens_per_s": 0.0, "mfu": None}
+
     def execute(self, runs, title: str) -> tuple[list[dict], list[str]]:
-        """Train the runs not finished yet, each claimed by one rank: longest first (the ranks end
-        together), or under a time limit smallest budget first (each piece completes whole
-        budgets). Returns every finished result of ``runs`` and the ids still missing."""
+        """Train the runs not finished yet, each claimed by one rank (``claim_order``). Returns every
+        finished result of ``runs`` and the ids still missing."""
         a = self.args
-        stages = {"lr": 0, "sweep": 1, "seed": 2, "backend": 3}
-        todo = sorted(runs, key=(lambda r: (r.budget, stages[r.stage], -r.compute)) if self.deadline is not None
-                      else (lambda r: -r.compute))
-        finished, stop = 0, False
+        todo = claim_order(runs, self.deadline is not None)
+        stop = False
         for i, run in enumerate(todo):
             tcfg = self.train_config(run)
             key = self.key(run, tcfg)
-            path = self.runs_dir / f"{run.id}.json"
-            prev = _read_json(path)
-            if (prev and prev.get("key") == key) or a.fit_only or stop or not self.claim(run.id):
+            if a.fit_only or stop or self.finished(run) or not self.claim(run.id):
                 continue
+            path = self.runs_dir / f"{run.id}.json"
             try:
                 est = self.estimator.seconds(run)
                 if self.deadline is not None and est is not None and time.perf_counter() + est > self.deadline:
@@ -163,35 +181,84 @@ class Session:
             except TimeUp as exc:
                 self.log(str(exc))
                 stop = True
-                continue
-            except (FloatingPointError, RuntimeError, ValueError) as exc:
+            except FloatingPointError as exc:
+                self.log(f"{run.id}: DIVERGED: {exc}")
+                write_json(path, {**self.diverged(run, tcfg, exc), **self.tags(run, key)})
+            except (RuntimeError, ValueError) as exc:
                 self.log(f"{run.id}: FAILED: {type(exc).__name__}: {exc}")
-                _write_json(self.runs_dir / f"{run.id}.failed.json", {"run": run.id, "error": f"{type(exc).__name__}: {exc}"})
-                continue
+                write_json(self.runs_dir / f"{run.id}.failed.json", {"run": run.id, "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                write_json(path, {**result, **self.tags(run, key)})  # before the claim goes: no rank retrains it
+                self.estimator.add(run, result)
+                self.log_result(title, i, todo, run, result)
             finally:
                 (self.claims / run.id).unlink(missing_ok=True)
-            result.update(key=key, id=run.id, stage=run.stage, budget=run.budget, seed=run.seed, lr_mult=run.lr_mult)
-            _write_json(path, result)
-            self.estimator.add(result)
-            finished += 1
-            left = [r for r in todo[i + 1:] if not (self.runs_dir / f"{r.id}.json").exists()]
-            eta = sum(self.estimator.seconds(r) or 0.0 for r in left) / self.world
-            self.log(f"[{title} {i + 1}/{len(todo)}] {run.id}: loss {result['val_loss']:.4f} "
-                     f"({data_mod.bits_per_byte(result['val_loss'], self.meta['val_tokens_per_byte']):.3f} bits/byte) in "
-                     f"{result['train_seconds']:.1f} s, {result['tokens_per_s']:,.0f} tok/s"
-                     + (f", MFU {result['mfu']:.1%}" if result["mfu"] else "")
-                     + (f"; about {_fmt_seconds(eta)} left" if left and self.estimator.cuda else ""))
         self.barrier()
-        results, missing = [], []
-        for run in runs:
-            prev = _read_json(self.runs_dir / f"{run.id}.json")
-            if prev and prev.get("key") == self.key(run, self.train_config(run)):
-                results.append(prev)
-            else:
-                missing.append(run.id)
-        return results, missing
+        results = [r for r in map(self.finished, runs) if r]
+        return results, [run.id for run in runs if not self.finished(run)]
+
+    @staticmethod
+    def tags(run, key) -> dict:
+        return {"key": key, "id": run.id, "stage": run.stage, "budget": run.budget, "seed": run.seed,
+                "lr_mult": run.lr_mult, "batch": run.batch_size, "lr": run.lr}
+
+    def log_result(self, title, i, todo, run, result):
+        left = [r for r in todo[i + 1:] if not (self.runs_dir / f"{r.id}.json").exists()]
+        eta = sum(self.estimator.seconds(r) or 0.0 for r in left) / self.world
+        self.log(f"[{title} {i + 1}/{len(todo)}] {run.id}: loss {result['val_loss']:.4f} "
+                 f"({data_mod.bits_per_byte(result['val_loss'], self.meta['val_tokens_per_byte']):.3f} bits/byte) in "
+                 f"{result['train_seconds']:.1f} s, {result['tokens_per_s']:,.0f} tok/s"
+                 + (f", MFU {result['mfu']:.1%}" if result["mfu"] else "")
+                 + (f"; about {_fmt_seconds(eta)} left in this stage" if left and self.estimator.cuda else ""))
 
     # ----------------------------------------------------------------------------------------
+    def fitted_once(self, name: str, ids: list[str], make) -> dict:
+        """``name`` (a JSON in the output folder) made by rank 0 from ``make()`` unless it was already
+        made from the same runs (so a resumed sweep keeps what its runs were planned with)."""
+        saved = read_json(self.out / name)
+        if self.rank == 0 and not (saved and saved.get("runs") == ids):
+            write_json(self.out / name, {**make(), "runs": ids})
+        self.barrier()
+        return read_json(self.out / name)
+
+    def lr_stage(self, design, models) -> tuple[LRRule | None, dict, list[dict], list[str]]:
+        """The learning-rate sweep, extended round by round where a best rate is an edge of those
+        tried; the rule fitted from it (None while runs are missing)."""
+        kappa = LRRule().kappa
+        runs = design.lr_sweep(models, self.hp)
+        for round_ in range(design.lr_rounds + 1):
+            results, missing = self.execute(runs, "lr")
+            if missing:
+                return None, {"ok": False, "groups": []}, results, missing
+            groups = fit.fit_lr_rule(results, kappa)["groups"]
+            more = [r for r in design.lr_extension(groups, runs, self.hp) if r.id not in {x.id for x in runs}]
+            if not more or round_ == design.lr_rounds:
+                break
+            self.log(f"learning-rate sweep: {len(more)} size(s) best at an edge of the rates tried; one more rate each")
+            runs += more
+        ids = sorted(r["id"] for r in results)
+        lr_fit = self.fitted_once("lr_rule.json", ids, lambda: fit.fit_lr_rule(results, kappa))
+        rule = read_rule(self.out) or LRRule()
+        lr_fit["source"] = rule.source
+        self.log(f"learning-rate rule: c = {rule.c:.3g}, gamma = {rule.gamma:.3f} ({rule.source})")
+        return rule, lr_fit, results, []
+
+    def centres(self, design, lower_results: list[dict]) -> dict | None:
+        """The upper budgets' window centres: ``N_opt(C)`` fitted to the lower budgets' IsoFLOP runs
+        (approach 2's weighted power law), saved in ``centres.json``; None (the prior) when it has
+        no rising fit."""
+        upper = design.budgets()[design.lower_budgets:]
+        sweep = [r for r in lower_results if r["stage"] == "sweep" and r["val_loss"] is not None]
+
+        def make():
+            a2 = fit.approach2(sweep)
+            c = centres_from(a2["fit_n"], upper)
+            return {"source": "approach 2 over the lower budgets" if c else "prior (no rising N_opt(C) fit)",
+                    "fit_n": a2["fit_n"], "centres": {f"{k:g}": v for k, v in (c or {}).items()}}
+        saved = self.fitted_once("centres.json", sorted(r["id"] for r in sweep), make)
+        self.log(f"upper budgets' windows: {saved['source']}")
+        return read_centres(self.out)
+
     def main(self) -> int:
         a = self.args
         if a.fit_only:
@@ -209,43 +276,34 @@ class Session:
             val = torch.from_numpy(corpus.val).to(self.device)
             self.val_windows = {"final": eval_windows(val, a.seq_len, a.eval_tokens),
                                 "curve": eval_windows(val, a.seq_len, a.curve_eval_tokens)}
-
-        lr_runs, lr_results = [], []
+        results, missing = [], []
         if a.lr is not None:
             rule = LRRule(c=a.lr, gamma=a.lr_gamma, source="--lr")
             lr_fit = {"ok": True, "c": rule.c, "gamma": rule.gamma, "kappa": rule.kappa, "groups": [], "source": "--lr"}
         else:
-            lr_runs = design.lr_sweep(models, LRRule(), self.hp)
-            lr_results, missing = self.execute(lr_runs, "lr")
-            if missing:
-                return self.incomplete(missing)
-            saved = _read_json(self.out / "lr_rule.json")
-            ids = sorted(r["id"] for r in lr_results)
-            if self.rank == 0 and not (saved and saved.get("runs") == ids):  # fitted once, then reused as is
-                _write_json(self.out / "lr_rule.json", {**fit.fit_lr_rule(lr_results, LRRule().kappa), "runs": ids})
-            self.barrier()
-            lr_fit = _read_json(self.out / "lr_rule.json")
-            rule = _read_rule(self.out) or LRRule()
-            lr_fit["source"] = rule.source
-            self.log(f"learning-rate rule: c = {rule.c:.3g}, gamma = {rule.gamma:.3f} ({rule.source})")
-        runs = design.main_runs(models, rule, self.hp)
-        results, missing = self.execute(runs, "sweep")
-        status = 0
+            rule, lr_fit, results, missing = self.lr_stage(design, models)
+        if rule is not None:
+            lower, missing = self.execute(design.lower(models, rule, self.hp), "lower")
+            results += lower
+            if not missing:
+                upper, missing = self.execute(design.upper(models, rule, self.hp, self.centres(design, lower)), "upper")
+                results += upper
         if missing:
-            status = self.incomplete(missing)
-        if self.rank == 0 and sum(r["stage"] == "sweep" for r in results) >= 3:
+            self.incomplete(missing)
+        if self.rank == 0 and results:
             self.write_report(results, lr_fit)
         self.log(f"total wall-clock {_fmt_seconds(time.perf_counter() - self.t_start)}")
         self.barrier()
+        if self.rank == 0 and self.claims.is_dir() and not any(self.claims.iterdir()):
+            self.claims.rmdir()
         if self.dist is not None:
             self.dist.destroy_process_group()
-        return status
+        return EXIT_INCOMPLETE if missing else 0
 
-    def incomplete(self, missing: list[str]) -> int:
+    def incomplete(self, missing: list[str]):
         failed = [m for m in missing if (self.runs_dir / f"{m}.failed.json").exists()]
-        self.log(f"{len(missing)} run(s) not finished ({len(failed)} failed); "
+        self.log(f"{len(missing)} run(s) of this stage not finished ({len(failed)} failed); "
                  + ("rerun the same command to resume" if not self.args.fit_only else "train them first"))
-        return EXIT_INCOMPLETE
 
     def write_report(self, results: list[dict], lr_fit: dict):
         here = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else (platform.processor() or "cpu")
@@ -264,19 +322,15 @@ class Session:
         an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap)
         boot = an["bootstrap"] or {}
 
-        def ci(k):
-            return f" [{boot[k]['lo']:.3f}, {boot[k]['hi']:.3f}]" if k in boot else ""
-        a1, a2, a3 = an["approach1"], an["approach2"], an["approach3"]
-        self.log(f"approach 1: a = {a1['a'] if a1['a'] is None else round(a1['a'], 3)}{ci('a1_a')}")
-        self.log(f"approach 2: a = {a2['a'] if a2['a'] is None else round(a2['a'], 3)}{ci('a2_a')}, "
-                 f"b = {a2['b'] if a2['b'] is None else round(a2['b'], 3)}{ci('a2_b')} ({a2['budgets_used']} budgets)")
-        if a3.get("ok"):
-            self.log(f"approach 3: E = {a3['E']:.3f}{ci('a3_E')}, alpha = {a3['alpha']:.3f}{ci('a3_alpha')}, "
-                     f"beta = {a3['beta']:.3f}{ci('a3_beta')}, a = {a3['a'] if a3['a'] is None else round(a3['a'], 3)}"
-                     f"{ci('a3_a')}")
+        def est(key, fit_, name):
+            v = fit_.get(name)
+            return "n/a" if v is None else f"{v:.3f}" + (f" [{boot[key]['lo']:.3f}, {boot[key]['hi']:.3f}]" if key in boot else "")
+        self.log(f"quality gate: {an['gate']['ok']}: {an['gate']['reason']}")
+        for k, name in (("1", "approach1"), ("2", "approach2"), ("3", "approach3")):
+            self.log(f"approach {k}: a = {est(f'a{k}_a', an[name], 'a')}, b = {est(f'a{k}_b', an[name], 'b')}")
+        self.log(surface.describe_e(an["e_profile"]))
         ex = an["extrapolation"]
         if ex.get("approach3_error") is not None:
-            law = ex.get("loss_law_error")
-            self.log(f"extrapolation to {ex['budget']:.3g} FLOPs: optimal loss error {ex['approach3_error']:+.4f} "
-                     f"nats/token (approach 3), {'n/a' if law is None else format(law, '+.4f')} (L_opt(C) law)")
-        self.log(f"wrote {self.out / 'report.md'}, report.json and {len(an['figures'])} figures")
+            self.log(f"extrapolation to {ex['budget']:.3g} FLOPs: optimal loss error {ex['approach3_error']:+.4f} nats/token")
+        self.log(f"wrote {self.out / 'report.md'}, report.json and {len(an['figures'])} figures"
+                 + (f" ({len(an['figures_skipped'])} not drawn: see report.md)" if an["figures_skipped"] else ""))

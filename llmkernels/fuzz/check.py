@@ -76,10 +76,12 @@ def _precision(case: Case, out: torch.Tensor, context: str) -> torch.dtype:
     return max([*dtypes, out.dtype], key=lambda dt: TOL.get(dt, 0.0))
 
 
-def compare(name: str, out, ref64, ref32, dtype: torch.dtype, scale: float = 1.0, tol_scale: float = 1.0) -> None:
+def compare(name: str, out, ref64, ref32, dtype: torch.dtype, scale: float = 1.0, tol_scale: float = 1.0,
+            terms: int = 1) -> None:
     """Raise :class:`Mismatch` unless ``out`` matches the reference (module notes): shapes equal,
     NaN where the reference has NaN and nowhere else. ``scale``: the magnitude of the upstream
-    gradient, for the absolute floor of a reference that is exactly 0."""
+    gradient and ``terms`` how many rows a gradient may sum, for the absolute floor of a
+    reference that is exactly 0 (rounding noise grows with both)."""
     if out is None or ref64 is None:
         if (out is None) != (ref64 is None):
             raise Mismatch(f"{name}: {'missing' if out is None else 'unexpected'} output")
@@ -97,7 +99,7 @@ def compare(name: str, out, ref64, ref32, dtype: torch.dtype, scale: float = 1.0
     finite = torch.isfinite(want)
     err = (got[finite] - want[finite]).norm().item()
     tol = TOL[dtype] * tol_scale
-    floor = 0.1 * tol * scale * math.sqrt(want.numel())  # O(1) inputs: a reference of exactly 0
+    floor = 0.1 * tol * scale * math.sqrt(want.numel() * terms)  # O(1) inputs: a reference of exactly 0
     allowed = max(tol * want[finite].norm().item(), 8 * (low[finite] - want[finite]).norm().item(), floor)
     if not err <= allowed:  # (NaN fails too)
         raise Mismatch(f"{name}: error {err:.3e} > allowed {allowed:.3e} ({dtype}, reference norm "
@@ -179,7 +181,8 @@ def run_case(build: Callable, seed: int, index: int, device: torch.device, *, co
         names = [n for n in case.differentiable if n in wants]
         scale = max((u.abs().max().item() for u in upstream if u is not None and u.numel()), default=1.0)
         for name, got, r64, r32 in zip(names, grads, reference[2], reference[3]):
-            compare(f"{case.op} d{name}", got, r64, r32, _precision(case, got, context), scale, case.tol_scale)
+            compare(f"{case.op} d{name}", got, r64, r32, _precision(case, got, context), scale, case.tol_scale,
+                    terms=_rows_summed(case))
         ran.append("grads")
     for name, old in before.items():
         if name not in case.mutates and not same_bits(case.args[name].detach(), old):
@@ -196,6 +199,12 @@ def run_case(build: Callable, seed: int, index: int, device: torch.device, *, co
         _refuses(case.op, *plan.choice(case.bad), fresh)
         ran.append("bad")
     return {"op": case.op, "context": context, "checks": ran}
+
+
+def _rows_summed(case: Case) -> int:
+    """Rows of the op's main input: what a weight gradient sums over."""
+    x = next(v for v in case.args.values() if isinstance(v, torch.Tensor))
+    return max(1, x.numel() // x.shape[-1]) if x.dim() and x.shape[-1] else 1
 
 
 def _reference(case: Case, wants: set, upstream: list):
@@ -218,7 +227,8 @@ def _compare_outputs(case: Case, outputs: tuple, ref64: tuple, ref32: tuple, con
                 torch.float64, torch.float32):
             raise Mismatch(f"{case.op} output {i}: dtype {out.dtype}, the reference's {r64.dtype}")
         compare(f"{case.op} output {i}", out, r64, r32,
-                _precision(case, out, context) if out is not None else torch.float32, tol_scale=case.tol_scale)
+                _precision(case, out, context) if out is not None else torch.float32, tol_scale=case.tol_scale,
+                terms=_rows_summed(case))
 
 
 def _unravel(index: int, shape) -> tuple:

@@ -225,7 +225,7 @@ def test_norm_patch_keeps_parameters_and_state_dict():
     assert "Qwen3RMSNorm -> llmkernels.rms_norm(casting='llama') (9 modules)" in report.patched  # incl. q/k norms
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())
-    assert hf._is_patched(model.model.layers[0].self_attn.q_norm.forward)
+    assert hf.is_patched(model.model.layers[0].self_attn.q_norm.forward)
     assert llmkernels.patch(model, rope=False, cross_entropy=False).patched == report.patched  # idempotent
 
 
@@ -237,7 +237,7 @@ def test_switches_leave_the_model_alone():
     assert "forward" not in vars(model) and "forward" not in vars(model.model.norm)
     assert "forward" not in vars(model.model.layers[0].mlp)
     module = __import__(type(model).__module__, fromlist=["x"])
-    assert not hf._is_patched(module.apply_rotary_pos_emb)
+    assert not hf.is_patched(module.apply_rotary_pos_emb)
 
 
 def test_unknown_model_reports_what_was_not_patched():
@@ -271,14 +271,14 @@ def test_patch_model_type_before_from_pretrained(tmp_path):
     assert "LlamaRMSNorm.forward -> llmkernels.rms_norm(casting='llama')" in report.patched
     assert any(p.startswith("LlamaMLP.forward -> llmkernels.glu") for p in report.patched)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").to(DEVICE).eval()
-    assert hf._is_patched(loaded.model.norm.forward)
-    assert hf._is_patched(loaded.model.layers[0].mlp.forward)
+    assert hf.is_patched(loaded.model.norm.forward)
+    assert hf.is_patched(loaded.model.layers[0].mlp.forward)
     with torch.no_grad():
         out = loaded(input_ids=ids).logits
     assert rel_err(out, ref) < 1e-5
     hf.unpatch_all()
-    assert not hf._is_patched(type(loaded.model.norm).forward)
-    assert not hf._is_patched(type(loaded.model.layers[0].mlp).forward)
+    assert not hf.is_patched(type(loaded.model.norm).forward)
+    assert not hf.is_patched(type(loaded.model.layers[0].mlp).forward)
 
 
 def test_mlp_whose_activation_glu_lacks_keeps_transformers_product():
@@ -291,7 +291,7 @@ def test_mlp_whose_activation_glu_lacks_keeps_transformers_product():
     mlp = model.model.layers[0].mlp
     assert "forward" not in vars(mlp)
     llmkernels.patch_model_type("llama", rms_norm=False, rope=False, cross_entropy=False)
-    assert hf._is_patched(mlp.forward)
+    assert hf.is_patched(mlp.forward)
     x = torch.randn(2, 3, COMMON["hidden_size"], device=DEVICE)
     assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
 
@@ -311,7 +311,7 @@ def test_patch_model_type_gpt_neox_layer_norms():
     llmkernels.patch_model_type("gpt_neox", rope=False, cross_entropy=False)
     model = make_model("gpt_neox")
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    assert len(norms) == 5 and all(hf._is_patched(m.forward) for m in norms)
+    assert len(norms) == 5 and all(hf.is_patched(m.forward) for m in norms)
     with pytest.raises(ValueError, match="model_type must be one of"):
         llmkernels.patch_model_type("bert")
 

@@ -114,7 +114,7 @@ def test_trainer(when, checkpoint, reference_losses, tmp_path):
         model = load(checkpoint)
         report = lk.patch(model)
         assert "loss" not in report.not_patched, str(report)
-    assert hf._is_patched(model.model.norm.forward) and hf._is_patched(model.model.layers[0].mlp.forward)
+    assert hf.is_patched(model.model.norm.forward) and hf.is_patched(model.model.layers[0].mlp.forward)
     assert_same_losses(run_trainer(model, tmp_path), reference_losses["Trainer"])
 
 
@@ -122,7 +122,7 @@ def test_sft_trainer(checkpoint, reference_losses, tmp_path):
     """Patched after from_pretrained and before the trainer is built (TRL wraps the forward)."""
     model = load(checkpoint)
     losses = run_sft_trainer(model, tmp_path, patch_after_load=True)
-    assert hf._is_patched(model.model.norm.forward) and hf._is_patched(model.model.layers[0].mlp.forward)
+    assert hf.is_patched(model.model.norm.forward) and hf.is_patched(model.model.layers[0].mlp.forward)
     assert_same_losses(losses, reference_losses["SFTTrainer"])
 
 

@@ -1,6 +1,6 @@
 """The op registry: everything the benchmark knows about an op, declared in one place.
 
-An op family lives in one module ``llmkernels/bench/ops_<family>.py`` that builds :class:`Op`
+An op family lives in one module ``llmkernels/bench/ops_<family>.py`` that builds :class:`BenchOp`
 objects and passes each to :func:`register`. :func:`ops` imports every such module the first
 time it is called, so adding an op family touches no other file.
 """
@@ -74,8 +74,8 @@ class Provider:
 
 
 @dataclass(frozen=True)
-class Op:
-    """An op to benchmark.
+class BenchOp:
+    """An op as the benchmark sees it (``ops._register.Op`` is how an op registers itself).
 
     name: the ``--op`` name.
     axis: the shape dimension that sweeps (``--n`` values, the x axis of the plots).
@@ -122,18 +122,18 @@ class Op:
     inputs_from_graph: bool = False
 
 
-_OPS: dict[str, Op] = {}
+_OPS: dict[str, BenchOp] = {}
 _loaded = False
 
 
-def register(op: Op) -> Op:
+def register(op: BenchOp) -> BenchOp:
     if op.name in _OPS:
         raise ValueError(f"op {op.name!r} is registered twice")
     _OPS[op.name] = op
     return op
 
 
-def ops() -> dict[str, Op]:
+def ops() -> dict[str, BenchOp]:
     """All registered ops by name, in registration order (imports every ``ops_*`` module once)."""
     global _loaded
     if not _loaded:

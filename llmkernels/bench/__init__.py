@@ -8,12 +8,13 @@ training micro-batch (M = 4096) as µs per plain call (eager).
 Each run writes a new folder (default ``./llmkernels-bench/<device>-<date>-<time>/``, or
 ``--out``; never one that already holds results) with ``results.json``, ``results.md`` and one
 PNG per op x mode x dtype, and ends with one summary line. Without a GPU it says so and runs
-only the check, at small sizes, through Triton's interpreter.
+only the check, at small sizes, through Triton's interpreter; its PNG (one per dtype) shows each
+provider's error beside the tolerance.
 
 Layout:
   registry.py   ``BenchOp`` and ``Provider`` (what an op declares), ``register``, ``ops()``
   ops_*.py      one module per op family, registering its ops (``ops_norm.py``: rmsnorm,
-                layernorm, add_rmsnorm)
+                layernorm, add_rmsnorm; ``ops_linear_losses.py``: the losses with the LM head)
   runner.py     copy ceiling, float64 check, timing, one record per (case, provider, mode)
   report.py     speedups, console/Markdown tables, JSON, plots
 
@@ -210,12 +211,11 @@ def main(argv=None) -> int:
     with open(os.path.join(out, report.RESULTS_MD), "w") as f:
         f.write(report.markdown(meta, records, skipped, METHOD if gpu else NO_GPU) + "\n")
     print(report.console(records))
-    if gpu:
-        try:
-            pngs = report.plot(records, out)
-            print(f"\n{len(pngs)} plots written")
-        except ImportError:
-            print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
+    try:
+        pngs = report.plot(records, out) if gpu else report.plot_checks(records, out)
+        print(f"\n{len(pngs)} plots written")
+    except ImportError:
+        print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
     print(f"results: {out}/{report.RESULTS_JSON}, {report.RESULTS_MD}")
     ours_bad = [r for r in records if r["provider"] == report.OURS and r["status"] in ("failed", "error")]
     if ours_bad:

@@ -65,12 +65,20 @@ class Provider:
     mutates: True when a forward that needs gradients writes into its inputs (a gradient formed
         in the forward over the logits): each checked call gets its own copy of the inputs, the
         timed calls share one, and the bwd mode (a repeated backward of one forward) is not run.
+    single_backward: True when the forward forms the gradients, so that a forward's backward
+        runs once (no ``retain_graph``): the bwd mode is not run either.
     """
 
     factory: Callable[[], Callable[..., Outputs]]
     backward: bool = True
     gpu_only: bool = False
     mutates: bool = False
+    single_backward: bool = False
+
+    @property
+    def repeats_backward(self) -> bool:
+        """Whether the bwd mode (many backwards of one retained forward) can time it."""
+        return self.backward and not (self.mutates or self.single_backward)
 
 
 @dataclass(frozen=True)

@@ -230,8 +230,8 @@ class Case:
         self.op, self.shape, self.dtype = op, shape, dtype
         torch.manual_seed(0)
         self.inputs = op.make_inputs(shape, dtype, device)
-        ref_in = {k: v.detach().double().requires_grad_(grads and k in op.grad_inputs)
-                  for k, v in self.inputs.items()}
+        ref_in = {k: v.detach().double().requires_grad_(grads and k in op.grad_inputs) if v.is_floating_point()
+                  else v for k, v in self.inputs.items()}  # targets stay integers
         with torch.enable_grad():
             outs = _as_tuple(op.reference(**ref_in))
         self.grad_outputs = tuple((torch.ones(o.shape, device=device) if op.is_loss else
@@ -395,7 +395,7 @@ class Runner:
         for mode in self.settings.modes:
             if mode != "fwd" and not provider.backward:
                 continue
-            if mode == "bwd" and provider.mutates:
+            if mode == "bwd" and not provider.repeats_backward:
                 self.log(f"not run: {name} bwd {label}: it forms its gradient in the forward (see fwd+bwd)")
                 continue
             if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:

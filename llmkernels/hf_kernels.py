@@ -85,8 +85,8 @@ def mark_layers(model: nn.Module) -> list:
     marked = []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         name = cls.__name__
-        if (NORM_CASTING.get(name) == "llama" and name.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
-                and not hasattr(cls, "kernel_layer_name")):
+        ours = NORM_CASTING.get(name) == "llama" and name.endswith("RMSNorm")  # not Llama 4's weightless L2Norm
+        if ours and cls.__module__.startswith("transformers.") and not hasattr(cls, "kernel_layer_name"):
             replace_kernel_forward_from_hub(cls, "RMSNorm")
             marked.append(cls)
     return marked

@@ -224,7 +224,8 @@ def plot_checks(records: list, out_dir: str) -> list:
                     worst[r["op"]] = max(worst.get(r["op"], 0.0), r["rel_err"])
             ax.scatter([op_names.index(o) for o in worst], [max(e, 1e-12) for e in worst.values()], label=provider,
                        marker="o" if provider == OURS else "x", s=60 if provider == OURS else 30, zorder=3)
-        ax.axhline(group[0]["tol"], color="black", linestyle="--", linewidth=1, label=f"tolerance {group[0]['tol']:.0e}")
+        tol = group[0]["tol"]
+        ax.axhline(tol, color="black", linestyle="--", linewidth=1, label=f"tolerance {tol:.0e}")
         ax.set_xticks(range(len(op_names)), op_names, rotation=30, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("worst ||out - ref|| / ||ref|| (float64 reference)")

@@ -81,12 +81,12 @@ class RMSNorm(nn.RMSNorm):
             shape, eps = module.normalized_shape, module.eps
             casting = "none" if casting is None else casting
         elif isinstance(weight, torch.Tensor) and (hasattr(module, "variance_epsilon") or hasattr(module, "eps")):
-            from .hf import _NORM_CASTING
+            from .hf.families import NORM_CASTING
 
             shape = tuple(weight.shape)
             eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
             if casting is None:
-                casting = _NORM_CASTING.get(type(module).__name__, "llama")
+                casting = NORM_CASTING.get(type(module).__name__, "llama")
         else:
             raise TypeError("module must be a torch.nn.RMSNorm or a Hugging Face RMSNorm (with weight and "
                             f"variance_epsilon), got {type(module).__name__}")

@@ -16,6 +16,7 @@ from llmkernels.bench.runner import TOL, Case, Runner, Settings
 
 NORM_OPS = ("rmsnorm", "layernorm", "add_rmsnorm")
 GLU_OPS = ("swiglu", "geglu")
+LINEAR_LOSS_OPS = ("linear_cross_entropy", "linear_log_probs", "linear_distill")
 PEERS = ("llmkernels", "torch", "hf_eager", "torch_compile", "liger", "quack")
 
 
@@ -76,10 +77,30 @@ def test_glu_ops(name):
     assert [op.min_bytes(shape, torch.bfloat16, m) for m in MODES] == [k * 96 * 1000 * e for k in (3, 5, 8)]
 
 
-PAIRS = [(op, p) for op in NORM_OPS + GLU_OPS for p in ops()[op].providers]
+def test_every_op_family_is_registered():
+    """One bench module per family of llmkernels' public ops, each op checked on CPU too."""
+    assert set(ops()) == {*NORM_OPS, *GLU_OPS, "rope", "rope_bshd", "cross_entropy", *LINEAR_LOSS_OPS}
+    assert all(op.small_shapes and list(op.providers)[0] == "llmkernels" for op in ops().values())
 
 
-@pytest.mark.parametrize("op_name,provider", PAIRS, ids=[f"{o}-{p}" for o, p in PAIRS])
+@pytest.mark.parametrize("name,heads", [("linear_cross_entropy", 1), ("linear_log_probs", 1), ("linear_distill", 2)])
+def test_linear_loss_ops(name, heads):
+    """hidden [M, H], weight [V, H] (distillation: the teacher's too) read once; the backward also
+    writes the student's two gradients; the [M, V] logits are never counted."""
+    op = ops()[name]
+    assert op.shape(128256, None) == {"M": 16384, "H": 4096, "V": 128256} and op.shape(32000, 8)["M"] == 8
+    shape, e = {"M": 96, "H": 64, "V": 1000}, torch.bfloat16.itemsize
+    pair = (96 + 1000) * 64 * e
+    assert [op.min_bytes(shape, torch.bfloat16, m) for m in MODES] == [heads * pair] + [(heads + 1) * pair] * 2
+    assert op.grad_inputs[-1].endswith("weight") and op.is_loss == (name != "linear_log_probs")
+
+
+# Every provider of every op; torch.compile (inductor builds C++ on CPU: seconds a graph) in the slow run.
+PAIRS = [pytest.param(op, p, id=f"{op}-{p}", marks=[pytest.mark.slow] if p == "torch_compile" else [])
+         for op in ops() for p in ops()[op].providers]
+
+
+@pytest.mark.parametrize("op_name,provider", PAIRS)
 def test_every_importable_provider_passes_the_check(op_name, provider, device):
     op = ops()[op_name]
     spec = op.providers[provider]
@@ -96,13 +117,13 @@ def test_every_importable_provider_passes_the_check(op_name, provider, device):
         for shape in op.small_shapes:
             case = Case(op, shape, dtype, torch.device(device), grads=True)
             for grads in (False, True):
-                errors = case.check(fn, grads)
+                errors = case.check(fn, grads, spec.mutates)
                 expected = set(op.outputs) | ({f"d{k}" for k in op.grad_inputs} if grads else set())
                 assert set(errors) == expected
                 bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
                 assert not bad, f"{provider} {dtype} {shape} grads={grads}: {bad}"
-            for mode in MODES:  # what gets timed runs repeatedly (bwd: one retained graph)
-                timed = case.timed(fn, mode)
+            for mode in MODES if spec.repeats_backward else ("fwd", "fwd+bwd"):  # what gets timed runs
+                timed = case.timed(fn, mode, spec.mutates)                      # repeatedly (bwd: one graph)
                 timed()
                 timed()
 
@@ -182,6 +203,7 @@ def test_without_gpu_it_says_so_and_checks_through_the_interpreter(tmp_path):
     assert data["meta"]["device"].startswith("cpu")
     assert [(r["kind"], r["status"]) for r in data["records"]] == [("check", "ok")] * len(
         ops()["rmsnorm"].small_shapes)
+    assert os.path.getsize(os.path.join(out, "check-bf16.png")) > 0  # the errors beside the tolerance
 
 
 def test_a_loss_is_differentiated_from_an_upstream_gradient_of_one():

@@ -58,8 +58,9 @@ def test_every_bench_option_is_described():
         assert action.help, f"{action.option_strings} has no help"
     text = parser.format_help()
     for words in ("bf16, fp16, fp32", "inference forward", "backward alone", "fwd+bwd",
-                  "./llmkernels-bench/<device>-<date>-<time>"):
+                  "./llmkernels-bench/<device>-<date>-<time>", "% of the GPU's copy bandwidth"):
         assert words in " ".join(text.split()), words
+    assert "%%" not in text  # the description is printed as written, not %-formatted
 
 
 def test_summary_line():

@@ -16,10 +16,24 @@ from llmkernels import hf  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
-VOCAB, SEQ, BATCH = 512, 16, 2
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+VOCAB, SEQ, BATCH = 128, 16, 2
+# One layer and a 128-token vocabulary keep each family to seconds under the interpreter; DEEP
+# (the ``slow`` run) repeats the training test with two layers, a larger vocabulary, more steps.
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+STEPS = 3
+DEEP = dict(vocab_size=512, num_hidden_layers=2)
+DEEP_STEPS = 5
 
+# Multimodal models get a text config and a minimal vision config (their tests feed text; the
+# Qwen VL ones 3-D multimodal positions, see FORWARD_INPUTS).
+MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2)
+LLAMA4 = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+              attention_chunk_size=8)
 # model_type -> (config class name, extra config arguments). Each exercises what is special in
 # its family: MoE router loss, per-head q/k norms, Gemma's (1 + w) and softcapping, partial rotary.
 FAMILIES = {
@@ -38,20 +52,6 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5)),
     "olmo2": ("Olmo2Config", {}),
     "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None, rotary_pct=0.25)),
-}
-# The families added next: one layer, a 128-token vocabulary and TINY_STEPS steps keep each test to
-# seconds under the interpreter. Multimodal models get a text config and a minimal vision config
-# (their tests feed text; the Qwen VL ones 3-D multimodal positions, see FORWARD_INPUTS).
-TINY = dict(vocab_size=128, num_hidden_layers=1)
-TINY_STEPS = 3
-MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-              patch_size=14)
-QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                   spatial_merge_size=2)
-LLAMA4 = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
-              attention_chunk_size=8)
-TINY_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                          shared_expert_intermediate_size=64, output_router_logits=True)),
     "olmo3": ("Olmo3Config", dict(sliding_window=8)),
@@ -75,7 +75,6 @@ TINY_FAMILIES = {
     "mistral3": ("Mistral3Config", dict(text_config=dict(model_type="ministral3", head_dim=16),
                                         vision_config=dict(VISION, head_dim=16))),
 }
-FAMILIES.update(TINY_FAMILIES)
 # Composite models that AutoModelForCausalLM does not build.
 MODEL_CLASSES = {"llama4": "Llama4ForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -119,11 +118,11 @@ def mrope_positions():
 FORWARD_INPUTS = {"qwen2_vl": mrope_positions, "qwen2_5_vl": mrope_positions, "qwen3_vl": mrope_positions}
 
 
-def make_model(model_type: str, dtype=torch.float32):
+def make_model(model_type: str, dtype=torch.float32, deep: bool = False):
     cls_name, extra = FAMILIES[model_type]
     if not hasattr(transformers, cls_name):
         pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
-    text = {**COMMON, **(TINY if model_type in TINY_FAMILIES else {})}
+    text = {**COMMON, **(DEEP if deep else {})}
     if "text_config" in extra:
         kwargs = dict(extra, text_config={**text, **extra["text_config"]})
     else:
@@ -177,12 +176,14 @@ def _restore_transformers():
     hf.unpatch_all()
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_patched_model_trains_like_unpatched(model_type):
+@pytest.mark.parametrize("model_type,deep", [*((t, False) for t in FAMILIES),
+                                             *(pytest.param(t, True, marks=pytest.mark.slow) for t in FAMILIES)],
+                         ids=[*FAMILIES, *(f"{t}-deep" for t in FAMILIES)])
+def test_patched_model_trains_like_unpatched(model_type, deep):
     torch.manual_seed(0)
-    model = make_model(model_type)
+    model = make_model(model_type, deep=deep)
     patched = copy.deepcopy(model)
-    steps = TINY_STEPS if model_type in TINY_FAMILIES else 5
+    steps = DEEP_STEPS if deep else STEPS
     inputs = {name: make() for name, make in [("position_ids", FORWARD_INPUTS.get(model_type))] if make}
     try:
         ref_losses, (ref_loss, ref_logits, ref_grads) = train(model, steps, **inputs)  # before patching: RoPE
@@ -222,10 +223,10 @@ def test_norm_patch_keeps_parameters_and_state_dict():
     params = {n: p for n, p in model.named_parameters()}
     keys = list(model.state_dict())
     report = llmkernels.patch(model, rope=False, cross_entropy=False)
-    assert "Qwen3RMSNorm -> llmkernels.rms_norm(casting='llama') (9 modules)" in report.patched  # incl. q/k norms
+    assert "Qwen3RMSNorm -> llmkernels.rms_norm(casting='llama') (5 modules)" in report.patched  # incl. q/k norms
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())
-    assert hf._is_patched(model.model.layers[0].self_attn.q_norm.forward)
+    assert hf.is_patched(model.model.layers[0].self_attn.q_norm.forward)
     assert llmkernels.patch(model, rope=False, cross_entropy=False).patched == report.patched  # idempotent
 
 
@@ -237,7 +238,7 @@ def test_switches_leave_the_model_alone():
     assert "forward" not in vars(model) and "forward" not in vars(model.model.norm)
     assert "forward" not in vars(model.model.layers[0].mlp)
     module = __import__(type(model).__module__, fromlist=["x"])
-    assert not hf._is_patched(module.apply_rotary_pos_emb)
+    assert not hf.is_patched(module.apply_rotary_pos_emb)
 
 
 def test_unknown_model_reports_what_was_not_patched():
@@ -271,14 +272,27 @@ def test_patch_model_type_before_from_pretrained(tmp_path):
     assert "LlamaRMSNorm.forward -> llmkernels.rms_norm(casting='llama')" in report.patched
     assert any(p.startswith("LlamaMLP.forward -> llmkernels.glu") for p in report.patched)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").to(DEVICE).eval()
-    assert hf._is_patched(loaded.model.norm.forward)
-    assert hf._is_patched(loaded.model.layers[0].mlp.forward)
+    assert hf.is_patched(loaded.model.norm.forward)
+    assert hf.is_patched(loaded.model.layers[0].mlp.forward)
     with torch.no_grad():
         out = loaded(input_ids=ids).logits
     assert rel_err(out, ref) < 1e-5
     hf.unpatch_all()
-    assert not hf._is_patched(type(loaded.model.norm).forward)
-    assert not hf._is_patched(type(loaded.model.layers[0].mlp).forward)
+    assert not hf.is_patched(type(loaded.model.norm).forward)
+    assert not hf.is_patched(type(loaded.model.layers[0].mlp).forward)
+
+
+def test_patch_model_type_also_patches_models_built_before_it():
+    """patch_model_type replaces the classes' own methods: a model that exists already runs on
+    the kernels from then on too (its loss without logits while training)."""
+    model = make_model("llama").train()
+    ids, labels = batch(0)
+    ref = model(input_ids=ids, labels=labels)
+    assert ref.logits is not None and not hf.is_patched(model.model.norm.forward)
+    llmkernels.patch_model_type("llama")
+    assert all(hf.is_patched(f) for f in (model.forward, model.model.norm.forward, model.model.layers[0].mlp.forward))
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and rel_err(out.loss, ref.loss) < 1e-5
 
 
 def test_mlp_whose_activation_glu_lacks_keeps_transformers_product():
@@ -291,7 +305,7 @@ def test_mlp_whose_activation_glu_lacks_keeps_transformers_product():
     mlp = model.model.layers[0].mlp
     assert "forward" not in vars(mlp)
     llmkernels.patch_model_type("llama", rms_norm=False, rope=False, cross_entropy=False)
-    assert hf._is_patched(mlp.forward)
+    assert hf.is_patched(mlp.forward)
     x = torch.randn(2, 3, COMMON["hidden_size"], device=DEVICE)
     assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
 
@@ -311,7 +325,7 @@ def test_patch_model_type_gpt_neox_layer_norms():
     llmkernels.patch_model_type("gpt_neox", rope=False, cross_entropy=False)
     model = make_model("gpt_neox")
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    assert len(norms) == 5 and all(hf._is_patched(m.forward) for m in norms)
+    assert len(norms) == 3 and all(hf.is_patched(m.forward) for m in norms)
     with pytest.raises(ValueError, match="model_type must be one of"):
         llmkernels.patch_model_type("bert")
 
@@ -336,11 +350,11 @@ def test_granite_loss_needs_power_of_two_scaling():
     """Granite divides the logits by logits_scaling: dividing the hidden states instead is exact
     only for a power of two, so with 3.0 patch() leaves the loss to transformers, and a class
     patched by patch_model_type falls back to transformers' forward."""
-    config = transformers.GraniteConfig(**{**COMMON, **TINY}, logits_scaling=3.0)
+    config = transformers.GraniteConfig(**COMMON, logits_scaling=3.0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).train()
     report = llmkernels.patch(copy.deepcopy(model), rms_norm=False, rope=False, mlp=False)
     assert "logits_scaling=3.0 is not a power of two" in report.not_patched["loss"], str(report)
-    ids, labels = batch(0, TINY["vocab_size"])
+    ids, labels = batch(0)
     ref = model(input_ids=ids, labels=labels)
     report = llmkernels.patch_model_type("granite", rms_norm=False, rope=False, mlp=False)
     assert any("(models whose logits_scaling is a power of two)" in p for p in report.patched), str(report)

@@ -114,7 +114,7 @@ def test_trainer(when, checkpoint, reference_losses, tmp_path):
         model = load(checkpoint)
         report = lk.patch(model)
         assert "loss" not in report.not_patched, str(report)
-    assert hf._is_patched(model.model.norm.forward) and hf._is_patched(model.model.layers[0].mlp.forward)
+    assert hf.is_patched(model.model.norm.forward) and hf.is_patched(model.model.layers[0].mlp.forward)
     assert_same_losses(run_trainer(model, tmp_path), reference_losses["Trainer"])
 
 
@@ -122,21 +122,8 @@ def test_sft_trainer(checkpoint, reference_losses, tmp_path):
     """Patched after from_pretrained and before the trainer is built (TRL wraps the forward)."""
     model = load(checkpoint)
     losses = run_sft_trainer(model, tmp_path, patch_after_load=True)
-    assert hf._is_patched(model.model.norm.forward) and hf._is_patched(model.model.layers[0].mlp.forward)
+    assert hf.is_patched(model.model.norm.forward) and hf.is_patched(model.model.layers[0].mlp.forward)
     assert_same_losses(losses, reference_losses["SFTTrainer"])
-
-
-def _kernels_marks_llama_rmsnorm(kernels):
-    """transformers marks LlamaRMSNorm for ``kernelize`` only when it supports the installed
-    ``kernels``; otherwise mark it here as it would (kernels' own helper). Returns an undo."""
-    cls = transformers.models.llama.modeling_llama.LlamaRMSNorm
-    if hasattr(cls, "kernel_layer_name"):
-        return lambda: None
-    kernels.replace_kernel_forward_from_hub(cls, "RMSNorm")
-
-    def undo():
-        del cls.kernel_layer_name, cls.kernel_condition
-    return undo
 
 
 def _logits_loss_and_grads(model):
@@ -147,19 +134,25 @@ def _logits_loss_and_grads(model):
 
 
 def test_kernelize_picks_llmkernels_rmsnorm(checkpoint):
+    """llmkernels.hf_kernels.kernelize marks LlamaRMSNorm where transformers did not (it marks
+    only with a kernels version it accepts), then kernels.kernelize binds llmkernels' layer."""
     kernels = pytest.importorskip("kernels")
-    from llmkernels.hf_kernels import RMSNorm, kernel_mapping
+    from transformers.utils.import_utils import is_kernels_available
 
-    undo = _kernels_marks_llama_rmsnorm(kernels)
+    from llmkernels.hf_kernels import RMSNorm, kernelize, mark_layers
+
+    cls = transformers.models.llama.modeling_llama.LlamaRMSNorm
+    ref, model = load(checkpoint).train(), load(checkpoint).train()
+    marked = mark_layers(model)
     try:
-        ref, model = load(checkpoint).train(), load(checkpoint).train()
-        with kernels.use_kernel_mapping(kernel_mapping(), inherit_mapping=False):
-            kernels.kernelize(model, mode=kernels.Mode.TRAINING, device=DEVICE)
-        norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+        assert marked == ([] if is_kernels_available() else [cls]) and cls.kernel_layer_name == "RMSNorm"
+        assert kernelize(model, mode=kernels.Mode.TRAINING, device=DEVICE) is model
+        norms = [m for m in model.modules() if type(m) is cls]
         assert len(norms) == 3 and all(m.forward.__func__ is RMSNorm.forward for m in norms)
         (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = map(_logits_loss_and_grads, (model, ref))
     finally:
-        undo()
+        for c, attr in [(c, a) for c in marked for a in ("kernel_layer_name", "kernel_condition") if a in vars(c)]:
+            delattr(c, attr)  # as transformers left it
     assert rel_err(logits, ref_logits) < 1e-5 and rel_err(loss, ref_loss) < 1e-5
     for name, g in grads.items():
         assert rel_err(g, ref_grads[name]) < 1e-4, name

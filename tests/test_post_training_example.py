@@ -15,8 +15,6 @@ EXAMPLE = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "p
 IGNORE = EXAMPLE["IGNORE"]
 B, S, H, V = 4, 6, 16, 96
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
 
 def full_log_probs(hidden, weight, tokens, temperature=1.0):
     """Plain PyTorch: the ``[B, S, V]`` float64 logits, their log-softmax, the token's entry and

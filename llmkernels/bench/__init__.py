@@ -8,18 +8,19 @@ training micro-batch (M = 4096) as µs per plain call (eager).
 Each run writes a new folder (default ``./llmkernels-bench/<device>-<date>-<time>/``, or
 ``--out``; never one that already holds results) with ``results.json``, ``results.md`` and one
 PNG per op x mode x dtype, and ends with one summary line. Without a GPU it says so and runs
-only the check, at small sizes, through Triton's interpreter.
+only the check, at small sizes, through Triton's interpreter; its PNG (one per dtype) shows each
+provider's error beside the tolerance.
 
 Layout:
-  registry.py   ``Op`` and ``Provider`` (what an op declares), ``register``, ``ops()``
+  registry.py   ``BenchOp`` and ``Provider`` (what an op declares), ``register``, ``ops()``
   ops_*.py      one module per op family, registering its ops (``ops_norm.py``: rmsnorm,
-                layernorm, add_rmsnorm)
+                layernorm, add_rmsnorm; ``ops_linear_losses.py``: the losses with the LM head)
   runner.py     copy ceiling, float64 check, timing, one record per (case, provider, mode)
   report.py     speedups, console/Markdown tables, JSON, plots
 
 Adding an op (or a family) is one new file, ``llmkernels/bench/ops_<family>.py``; ``ops()``
 imports every ``ops_*`` module, so no other file changes. In it, for each op, call
-``register(Op(...))`` with (see ``registry.Op`` for each field, ``ops_norm.py`` for a full example):
+``register(BenchOp(...))`` with (see ``registry.BenchOp`` for each field, ``ops_norm.py`` for a full example):
   - ``name``, the swept dimension ``axis`` with default ``sizes`` / ``quick_sizes``, and
     ``shape(size, rows) -> {"M": ..., "N": ...}``; ``decode_shapes``; ``small_shapes`` (no GPU);
   - ``make_inputs(shape, dtype, device) -> {name: tensor}`` (random), ``grad_inputs`` (the inputs
@@ -43,9 +44,9 @@ import time
 import warnings
 
 from . import report
-from .registry import MODES, Op, Provider, Unavailable, ops, register
+from .registry import MODES, BenchOp, Provider, Unavailable, ops, register
 
-__all__ = ["main", "Op", "Provider", "Unavailable", "ops", "register"]
+__all__ = ["main", "BenchOp", "Provider", "Unavailable", "ops", "register"]
 
 NO_GPU = ("No CUDA GPU found: nothing will be timed. Checking every provider's outputs and gradients "
           "against the float64 reference at small sizes instead, through Triton's interpreter "
@@ -74,7 +75,7 @@ def _parser(registry: dict) -> argparse.ArgumentParser:
         prog="llmkernels bench",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Check every op against its float64 reference, then time it beside every installed peer: "
-                    "GB/s and %% of the GPU's copy bandwidth (fwd, bwd, fwd+bwd) and decode latency.\n"
+                    "GB/s and % of the GPU's copy bandwidth (fwd, bwd, fwd+bwd) and decode latency.\n"
                     "Each run writes results.json, results.md and PNG plots to a new folder and ends with one "
                     "summary line.\nWithout a GPU: the check only, at small sizes, through Triton's interpreter.",
         epilog="examples:\n  llmkernels bench --quick\n  llmkernels bench --op rmsnorm --n 4096 8192 --mode fwd bwd\n"
@@ -210,12 +211,11 @@ def main(argv=None) -> int:
     with open(os.path.join(out, report.RESULTS_MD), "w") as f:
         f.write(report.markdown(meta, records, skipped, METHOD if gpu else NO_GPU) + "\n")
     print(report.console(records))
-    if gpu:
-        try:
-            pngs = report.plot(records, out)
-            print(f"\n{len(pngs)} plots written")
-        except ImportError:
-            print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
+    try:
+        pngs = report.plot(records, out) if gpu else report.plot_checks(records, out)
+        print(f"\n{len(pngs)} plots written")
+    except ImportError:
+        print("\nmatplotlib is not installed: no plots (pip install matplotlib)")
     print(f"results: {out}/{report.RESULTS_JSON}, {report.RESULTS_MD}")
     ours_bad = [r for r in records if r["provider"] == report.OURS and r["status"] in ("failed", "error")]
     if ours_bad:

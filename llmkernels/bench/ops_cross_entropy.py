@@ -1,7 +1,7 @@
 """Benchmark registration of cross-entropy: ``loss = cross_entropy(logits [M, V], target [M])``.
 
 bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``; the backward starts
-from an upstream gradient of 1, as ``loss.backward()`` does (``Op.is_loss``: a gradient formed in
+from an upstream gradient of 1, as ``loss.backward()`` does (``BenchOp.is_loss``: a gradient formed in
 the forward needs no further pass then; with any other factor it is scaled in place, two more
 ``M V e``). Default rows: 32768 / 8192 / 4096 at V = 32000 / 128256 / 262144 (the tokens of a
 training micro-batch), 2 GiB of bf16 logits: with 0.5 GiB (8192 rows at V = 32000) a forward +
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, compile_static, liger_function, register
+from .registry import BenchOp, Provider, compile_static, liger_function, register
 
 DEFAULT_SIZES = (32000, 128256, 262144)
 QUICK_SIZES = (32000, 128256)
@@ -72,7 +72,7 @@ def _liger_factory():
     return lambda logits, target: apply(logits, target, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
 
 
-register(Op(
+register(BenchOp(
     name="cross_entropy", axis="V", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_inputs, grad_inputs=("logits",), outputs=("loss",),

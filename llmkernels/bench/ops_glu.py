@@ -20,7 +20,7 @@ import torch
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, compile_static, liger_function, register
+from .registry import BenchOp, Provider, compile_static, liger_function, register
 
 DEFAULT_SIZES = (4096, 8192, 14336, 28672)
 QUICK_SIZES = (4096, 14336)
@@ -55,7 +55,7 @@ def _liger(name: str):
 
 for _name, _activation, _liger_name in (("swiglu", "silu", ("swiglu", "LigerSiLUMulFunction")),
                                         ("geglu", "gelu_tanh", ("geglu", "LigerGELUMulFunction"))):
-    register(Op(
+    register(BenchOp(
         name=_name, axis="I", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
         decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
         make_inputs=_inputs, grad_inputs=("gate", "up"), outputs=("y",),

@@ -15,7 +15,7 @@ add_rmsnorm    x, residual, w read; y, h written     h, dy, dh, w read; dx, dw w
 ``fwd+bwd`` counts both. add_rmsnorm (prenorm: ``h = x + residual``, ``y = rmsnorm(h)``, both
 returned) writes one gradient for x and residual: they are the same tensor when the dtypes match
 and neither is an autograd leaf. In a model they come out of earlier layers, so the bench passes
-views of its leaves (``Op.inputs_from_graph``), for every provider alike.
+views of its leaves (``BenchOp.inputs_from_graph``), for every provider alike.
 Per-row statistics (rstd, mean: 4 bytes a row) are not counted.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, Unavailable, compile_static, liger_function, need_module, register
+from .registry import BenchOp, Provider, Unavailable, compile_static, liger_function, need_module, register
 
 RMS_EPS = 1e-6
 LN_EPS = 1e-5
@@ -102,7 +102,7 @@ def _quack_rms_factory():
     return lambda x, weight: rmsnorm(x, weight, eps=RMS_EPS)
 
 
-register(Op(
+register(BenchOp(
     name="rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_rms_inputs, grad_inputs=("x", "weight"), outputs=("y",),
@@ -139,7 +139,7 @@ def _liger_ln_factory():
     return lambda x, weight, bias: apply(x, weight, bias, LN_EPS)
 
 
-register(Op(
+register(BenchOp(
     name="layernorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_ln_inputs, grad_inputs=("x", "weight", "bias"), outputs=("y",),
@@ -194,7 +194,7 @@ def _quack_add_rms_factory():
     return lambda x, residual, weight: rmsnorm(x, weight, residual=residual, eps=RMS_EPS, prenorm=True)
 
 
-register(Op(
+register(BenchOp(
     name="add_rmsnorm", axis="N", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
     make_inputs=_add_rms_inputs, grad_inputs=("x", "residual", "weight"), outputs=("y", "h"),

@@ -18,7 +18,7 @@ import torch
 import llmkernels
 
 from .. import reference
-from .registry import Op, Provider, compile_static, need_module, register
+from .registry import BenchOp, Provider, compile_static, need_module, register
 
 HQ, HK, D = 32, 8, 128
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
@@ -75,7 +75,7 @@ for _name, _layout in (("rope", "bhsd"), ("rope_bshd", "bshd")):
     }
     if _layout == "bhsd":
         _providers["liger"] = Provider(_liger, gpu_only=True)
-    register(Op(
+    register(BenchOp(
         name=_name, axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
         decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
         make_inputs=_inputs(_layout), grad_inputs=("q", "k"), outputs=("q_out", "k_out"),

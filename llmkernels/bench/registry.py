@@ -1,6 +1,6 @@
 """The op registry: everything the benchmark knows about an op, declared in one place.
 
-An op family lives in one module ``llmkernels/bench/ops_<family>.py`` that builds :class:`Op`
+An op family lives in one module ``llmkernels/bench/ops_<family>.py`` that builds :class:`BenchOp`
 objects and passes each to :func:`register`. :func:`ops` imports every such module the first
 time it is called, so adding an op family touches no other file.
 """
@@ -65,17 +65,25 @@ class Provider:
     mutates: True when a forward that needs gradients writes into its inputs (a gradient formed
         in the forward over the logits): each checked call gets its own copy of the inputs, the
         timed calls share one, and the bwd mode (a repeated backward of one forward) is not run.
+    single_backward: True when the forward forms the gradients, so that a forward's backward
+        runs once (no ``retain_graph``): the bwd mode is not run either.
     """
 
     factory: Callable[[], Callable[..., Outputs]]
     backward: bool = True
     gpu_only: bool = False
     mutates: bool = False
+    single_backward: bool = False
+
+    @property
+    def repeats_backward(self) -> bool:
+        """Whether the bwd mode (many backwards of one retained forward) can time it."""
+        return self.backward and not (self.mutates or self.single_backward)
 
 
 @dataclass(frozen=True)
-class Op:
-    """An op to benchmark.
+class BenchOp:
+    """An op as the benchmark sees it (``ops._register.Op`` is how an op registers itself).
 
     name: the ``--op`` name.
     axis: the shape dimension that sweeps (``--n`` values, the x axis of the plots).
@@ -122,18 +130,18 @@ class Op:
     inputs_from_graph: bool = False
 
 
-_OPS: dict[str, Op] = {}
+_OPS: dict[str, BenchOp] = {}
 _loaded = False
 
 
-def register(op: Op) -> Op:
+def register(op: BenchOp) -> BenchOp:
     if op.name in _OPS:
         raise ValueError(f"op {op.name!r} is registered twice")
     _OPS[op.name] = op
     return op
 
 
-def ops() -> dict[str, Op]:
+def ops() -> dict[str, BenchOp]:
     """All registered ops by name, in registration order (imports every ``ops_*`` module once)."""
     global _loaded
     if not _loaded:

@@ -157,15 +157,29 @@ def markdown(meta: dict, records: list, skipped: list, method: str) -> str:
 # --------------------------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------------------------
-def plot(records: list, out_dir: str) -> list:
-    """One PNG per (op, mode, dtype): GB/s against the swept size, one line per provider, the
-    copy ceiling as a horizontal line. Returns the paths written; raises ImportError without
-    matplotlib."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (raises ImportError without matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def _save(plt, fig, ax, path: str) -> str:
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(records: list, out_dir: str) -> list:
+    """One PNG per (op, mode, dtype): GB/s against the swept size, one line per provider, the
+    copy ceiling as a horizontal line. Returns the paths written; raises ImportError without
+    matplotlib."""
+    plt = _pyplot()
     groups = defaultdict(list)
     for r in records:
         if r["kind"] == "bandwidth":
@@ -186,12 +200,36 @@ def plot(records: list, out_dir: str) -> list:
         ax.set_ylabel("GB/s (minimum bytes)")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{op} {mode} {dtype} — {group[0]['device']}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{op}-{mode.replace('+', '')}-{dtype}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"{op}-{mode.replace('+', '')}-{dtype}.png")))
+    return paths
+
+
+def plot_checks(records: list, out_dir: str) -> list:
+    """The float64 check of a run without timings: one PNG per dtype, each provider's worst
+    relative error (over shapes and modes) per op on a log scale, the dtype's tolerance as a
+    horizontal line. Returns the paths written; raises ImportError without matplotlib."""
+    plt = _pyplot()
+    groups = defaultdict(list)
+    for r in records:
+        if isinstance(r.get("rel_err"), (int, float)):
+            groups[r["dtype"]].append(r)
+    paths = []
+    for dtype, group in groups.items():
+        op_names = list(dict.fromkeys(r["op"] for r in group))
+        fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(op_names)), 4.5))
+        for provider in dict.fromkeys(r["provider"] for r in group):
+            worst = {}
+            for r in group:
+                if r["provider"] == provider:
+                    worst[r["op"]] = max(worst.get(r["op"], 0.0), r["rel_err"])
+            ax.scatter([op_names.index(o) for o in worst], [max(e, 1e-12) for e in worst.values()], label=provider,
+                       marker="o" if provider == OURS else "x", s=60 if provider == OURS else 30, zorder=3)
+        tol = group[0]["tol"]
+        ax.axhline(tol, color="black", linestyle="--", linewidth=1, label=f"tolerance {tol:.0e}")
+        ax.set_xticks(range(len(op_names)), op_names, rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("worst ||out - ref|| / ||ref|| (float64 reference)")
+        ax.set_title(f"float64 check, {dtype} — {group[0]['device']}")
+        paths.append(_save(plt, fig, ax, os.path.join(out_dir, f"check-{dtype}.png")))
     return paths
 

@@ -13,7 +13,7 @@ decode step captured in a CUDA graph pays it (vLLM, SGLang, ``torch.compile(mode
 ``do_bench`` suits neither: the CPU launches the call while the GPU still flushes L2, so it
 reports neither the GPU time nor the user's latency.
 
-Eager cases (``Op.eager_shapes``: a training micro-batch, M = 4096) are timed as the decode
+Eager cases (``BenchOp.eager_shapes``: a training micro-batch, M = 4096) are timed as the decode
 ones' plain calls, forward and forward + backward (shorter loops: ``EAGER_CALLS``): what an
 eager training step pays per call, host and GPU, beside the GPU time alone of the bandwidth
 cases.
@@ -33,7 +33,7 @@ import torch
 
 import llmkernels
 
-from .registry import MODES, Op, Unavailable, ops
+from .registry import MODES, BenchOp, Unavailable, ops
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ||out - ref|| / ||ref|| against the float64 reference, per benchmark dtype: a gate against wrong
@@ -226,12 +226,12 @@ class Case:
     """One op at one shape and dtype: random inputs and output gradients, and the float64
     reference outputs (and, when ``grads``, reference gradients ``d<input>``)."""
 
-    def __init__(self, op: Op, shape: dict, dtype: torch.dtype, device: torch.device, grads: bool):
+    def __init__(self, op: BenchOp, shape: dict, dtype: torch.dtype, device: torch.device, grads: bool):
         self.op, self.shape, self.dtype = op, shape, dtype
         torch.manual_seed(0)
         self.inputs = op.make_inputs(shape, dtype, device)
-        ref_in = {k: v.detach().double().requires_grad_(grads and k in op.grad_inputs)
-                  for k, v in self.inputs.items()}
+        ref_in = {k: v.detach().double().requires_grad_(grads and k in op.grad_inputs) if v.is_floating_point()
+                  else v for k, v in self.inputs.items()}  # targets stay integers
         with torch.enable_grad():
             outs = _as_tuple(op.reference(**ref_in))
         self.grad_outputs = tuple((torch.ones(o.shape, device=device) if op.is_loss else
@@ -250,7 +250,7 @@ class Case:
 
     def call_inputs(self, leaves) -> dict:
         """What a provider is called with: the leaves, or views of those that need gradients
-        where the op's inputs come out of earlier ops (``Op.inputs_from_graph``)."""
+        where the op's inputs come out of earlier ops (``BenchOp.inputs_from_graph``)."""
         if not self.op.inputs_from_graph:
             return leaves
         return {k: v.view_as(v) if v.requires_grad else v for k, v in leaves.items()}
@@ -323,11 +323,11 @@ class Runner:
         registry = ops()
         return [registry[name] for name in self.settings.ops]
 
-    def providers(self, op: Op) -> list:
+    def providers(self, op: BenchOp) -> list:
         wanted = self.settings.providers
         return [name for name in op.providers if wanted is None or name in wanted]
 
-    def cases(self, op: Op) -> list:
+    def cases(self, op: BenchOp) -> list:
         """``(kind, shape)`` pairs: bandwidth sweep and decode sizes on a GPU, small shapes
         (checks only) without one."""
         s = self.settings
@@ -358,7 +358,7 @@ class Runner:
                     self._run_case(op, DTYPES[dtype_name], kind, shape)
         return self.records
 
-    def _run_case(self, op: Op, dtype: torch.dtype, kind: str, shape: dict):
+    def _run_case(self, op: BenchOp, dtype: torch.dtype, kind: str, shape: dict):
         names = self.providers(op)
         modes = self.settings.modes
         label = f"{op.name} {dtype_name(dtype)} " + " ".join(f"{k}={v}" for k, v in shape.items())
@@ -395,7 +395,7 @@ class Runner:
         for mode in self.settings.modes:
             if mode != "fwd" and not provider.backward:
                 continue
-            if mode == "bwd" and provider.mutates:
+            if mode == "bwd" and not provider.repeats_backward:
                 self.log(f"not run: {name} bwd {label}: it forms its gradient in the forward (see fwd+bwd)")
                 continue
             if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:

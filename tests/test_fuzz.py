@@ -110,29 +110,29 @@ def test_catches_nondeterminism():
                                          == torch.float32)
 
 
+def first_mismatch(build, context, checks, tries):
+    """The message of the first Mismatch over cases 0 .. tries - 1 (a check that runs on a share
+    of the cases); fails if none raised one."""
+    for index in range(tries):
+        try:
+            run_case(build, SEED, index, torch.device(DEVICE), context=context, checks=checks)
+        except Mismatch as e:
+            return str(e)
+    raise AssertionError(f"no case of {tries} raised a Mismatch under checks {checks}")
+
+
 def test_catches_a_nan_leaking_to_other_rows():
     def change(case):
         call = case.call
         case.call = lambda a: call(a) + torch.where(torch.isnan(a["gate"]).any(), float("nan"), 0.0)
-    for index in range(200):  # the NaN check runs on a share of the plain cases
-        try:
-            run_case(planted("glu", change), SEED, index, torch.device(DEVICE), context="plain", checks=("nan",))
-        except Mismatch as e:
-            assert "other rows" in str(e)
-            return
-    raise AssertionError("the NaN check never ran into the planted leak")
+    # the NaN check runs on a share of the plain cases
+    assert "other rows" in first_mismatch(planted("glu", change), "plain", ("nan",), tries=200)
 
 
 def test_catches_an_accepted_bad_argument():
     def change(case):
         case.bad = [("activation", {**case.args, "activation": "silu"})]  # a valid value: accepted
-    for index in range(40):
-        try:
-            run_case(planted("glu", change), SEED, index, torch.device(DEVICE), context="no_grad", checks=("bad",))
-        except Mismatch as e:
-            assert "accepted" in str(e)
-            return
-    raise AssertionError("the bad-argument check never ran")
+    assert "accepted" in first_mismatch(planted("glu", change), "no_grad", ("bad",), tries=40)
 
 
 def test_case_field_names_are_the_ops_arguments():

@@ -3,8 +3,9 @@
 Triton compiles for a target without a device (its wheel ships ptxas and cuobjdump), so the
 register footprint of a launch configuration can be read on a CPU-only machine: a config whose
 threads spill to the stack (local memory) pays for it in bandwidth. Prints, per (dtype, op,
-columns per program, warps, and for the backward stages: 0 the exchange in step, 3 a row ahead
-with the loads pipelined; for the forward programs per SM, the registers capped as launched),
+columns per program, warps, stages (backward: 0 the exchange in step, 3 a row ahead with the loads
+pipelined; forward: 0 a row ahead in registers, 3 the loads pipelined), and for the forward
+programs per SM, the registers capped as launched),
 the registers per thread, the stack bytes per thread and the shared memory.
 
     python benchmarks/kernel_resources.py [--kernel bwd|fwd] [--arch 90] [--parts 8]
@@ -36,7 +37,7 @@ FWD_CONFIGS = [  # (columns per program, num_warps, programs per SM)
 def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: int, stages: int, parts: int,
                            arch: int, forward: bool = False, per_sm: int = 1) -> dict:
     """Compile ``_norm_bwd_split_kernel`` (``forward``: ``_norm_fwd_split_kernel`` with ``per_sm``
-    programs an SM, its registers capped as the launcher does; ``stages`` unused) for
+    programs an SM, its registers capped as the launcher does) for
     ``sm_<arch>``; its registers and stack per thread and its shared memory per program."""
     ptr = "*" + dtype
     options = dict(num_warps=num_warps)
@@ -47,7 +48,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                      weight_offset="fp32")
         constexprs = dict(IS_RMS=is_rms, HAS_RES=False, HAS_W=True, HAS_B=not is_rms, QUANTIZE=is_rms,
                           STORE_STATS=True, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
-                          EVEN=True)
+                          EVEN=True, STAGES=stages)
         options["maxnreg"] = resident_registers(num_warps, per_sm)
     else:
         kernel = norm_backward._norm_bwd_split_kernel
@@ -82,12 +83,12 @@ def main():
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}, PARTS={args.parts}, split {args.kernel}")
     if args.kernel == "fwd":
-        print(f"{'dtype':5s} {'op':3s} {'cols':>5s} {'warps':>5s} {'per SM':>6s} {'regs':>4s} {'stack B':>7s} "
-              f"{'shared B':>8s}")
-        for dtype, is_rms, (block_n, warps, per_sm) in itertools.product(("bf16", "fp32"), (True, False),
-                                                                         FWD_CONFIGS):
-            res = split_kernel_resources(dtype, is_rms, block_n, warps, 0, args.parts, args.arch, True, per_sm)
-            print(f"{dtype:5s} {'rms' if is_rms else 'ln':3s} {block_n:5d} {warps:5d} {per_sm:6d} "
+        print(f"{'dtype':5s} {'op':3s} {'cols':>5s} {'warps':>5s} {'per SM':>6s} {'stages':>6s} {'regs':>4s} "
+              f"{'stack B':>7s} {'shared B':>8s}")
+        for dtype, is_rms, (block_n, warps, per_sm), stages in itertools.product(("bf16", "fp32"), (True, False),
+                                                                                 FWD_CONFIGS, (0, 3)):
+            res = split_kernel_resources(dtype, is_rms, block_n, warps, stages, args.parts, args.arch, True, per_sm)
+            print(f"{dtype:5s} {'rms' if is_rms else 'ln':3s} {block_n:5d} {warps:5d} {per_sm:6d} {stages:6d} "
                   f"{res['regs']:4d} {res['stack_bytes']:7d} {res['shared_bytes']:8d}", flush=True)
         return
     print(f"{'dtype':5s} {'op':3s} {'cols':>5s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'stack B':>7s} "

@@ -8,6 +8,7 @@ results go to ``$OUT/tune_norm_<what>_<op>.json`` (or ``--out``).
     python benchmarks/tune_norm.py sweep [--ns 1024,4096] [--which fwd,bwd] [--dtypes bf16,fp32]
     python benchmarks/tune_norm.py split [--ns 32768,65536]  # wide-row backward: row-split configs vs blocked
     python benchmarks/tune_norm.py split-fwd [--ns 65536,131072] [--split-widths 8192,16384]  # wide-row forward
+    python benchmarks/tune_norm.py split-fwd --split-configs 4096:4:4:0,4096:4:4:3  # named forward splits
     python benchmarks/tune_norm.py defaults [--ns ...] [--which bwd]  # every dtype and op with the defaults
     python benchmarks/tune_norm.py sweep --tiny --ns 256 --out /tmp  # CPU, Triton's interpreter: checks the script
 """
@@ -148,6 +149,8 @@ def main():
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--op", choices=["rms", "ln"], default="rms")
     ap.add_argument("--split-widths", default="4096,8192", help="split: columns per program to try")
+    ap.add_argument("--split-configs", default="",
+                    help="split-fwd: block_n:warps:per_sm[:stages],... to try instead of the widths' grid")
     ap.add_argument("--dtypes", default="bf16", help="sweep, split, split-fwd: input dtypes to try")
     ap.add_argument("--residual", action="store_true", help="split-fwd: with the fused residual add")
     ap.add_argument("--tiny", action="store_true", help="CPU under Triton's interpreter, 4 rows: checks the script")
@@ -188,10 +191,14 @@ def main():
                       flush=True)
             free(bench)
     elif args.what == "split-fwd":
-        # (columns per program, num_warps, programs per SM); None = the blocked loop
-        widths = [int(v) for v in args.split_widths.split(",")]
-        cands = [None] + [norm.SplitFwdConfig(c, nw, per_sm) for c, nw, per_sm in
-                          itertools.product(widths, [4, 8, 16], [1, 2, 4]) if per_sm * nw <= 16]
+        # (columns per program, num_warps, programs per SM[, stages]); None = the blocked loop
+        if args.split_configs:
+            cands = [None] + [norm.SplitFwdConfig(*(int(v) for v in c.split(":")))
+                              for c in args.split_configs.split(",")]
+        else:
+            widths = [int(v) for v in args.split_widths.split(",")]
+            cands = [None] + [norm.SplitFwdConfig(c, nw, per_sm) for c, nw, per_sm in
+                              itertools.product(widths, [4, 8, 16], [1, 2, 4]) if per_sm * nw <= 16]
         for n, dname, cfg in itertools.product(ns, args.dtypes.split(","), cands):
             config = cfg or bench.without_split(n, DTYPES[dname], is_rms, args.residual)[0]
             rec = time_case(bench, n, DTYPES[dname], is_rms, args.residual, "fwd", records, "split-fwd", config)

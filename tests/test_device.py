@@ -49,8 +49,24 @@ def test_h100_like_device_takes_todays_tables(copy_gbps):
     assert model.depth == 1
     digest = hashlib.sha256()
     for key in _keys(model.depth):
-        digest.update(repr((key.is_rms, str(key.dtype), *key[2:7], forward_config(key), backward_config(key))).encode())
+        digest.update(repr((key.is_rms, str(key.dtype), *key[2:7], _as_then(forward_config(key)),
+                            _as_then(backward_config(key)))).encode())
     assert digest.hexdigest() == TODAYS_TABLES
+
+
+def _as_then(config):
+    """A configuration as 1b6d940 wrote it: the forward split's later ``stages`` field (a
+    pipelined forward, which did not exist then) must be 0, and is left out."""
+    if isinstance(config, SplitFwdConfig):
+        assert config.stages == 0, config
+        return _Written(repr(config).replace(", stages=0)", ")"))
+    return config
+
+
+class _Written(str):
+    """Text that a tuple's repr writes as it is (no quotes)."""
+
+    __repr__ = str.__str__
 
 
 def test_depth_follows_bandwidth_per_multiprocessor():

@@ -243,8 +243,8 @@ def test_layer_norm_offset_rows(dtype, device):
         check_norm(False, x, w, b, torch.randn_like(x), prenorm=True)
 
 
-# (forward programs per SM, backward stages, backward weight kept packed)
-SPLIT_MODES = {"lockstep": (1, 0, False), "pipelined": (2, 3, True)}
+# (forward programs per SM, forward stages, backward stages, backward weight kept packed)
+SPLIT_MODES = {"lockstep": (1, 0, 0, False), "pipelined": (2, 3, 3, True)}
 
 
 @pytest.mark.parametrize("mode", SPLIT_MODES)
@@ -254,13 +254,13 @@ SPLIT_MODES = {"lockstep": (1, 0, False), "pipelined": (2, 3, True)}
 def test_split_path_forced(is_rms, dtype, parts, mode, device):
     """The split forward and backward at a small width: one part per row (also under the
     interpreter) or four, the last one partly masked; more rows than groups in flight; the
-    forward one or two programs an SM; the backward's exchange in step with the row or a row
-    ahead with the loads pipelined."""
+    forward one or two programs an SM, its slices read again or its loads pipelined; the
+    backward's exchange in step with the row or a row ahead with the loads pipelined."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 100
-    fwd_per_sm, bwd_stages, bwd_w_packed = SPLIT_MODES[mode]
-    config = NormConfig(SplitFwdConfig(128 // parts, 4, fwd_per_sm),
+    fwd_per_sm, fwd_stages, bwd_stages, bwd_w_packed = SPLIT_MODES[mode]
+    config = NormConfig(SplitFwdConfig(128 // parts, 4, fwd_per_sm, fwd_stages),
                         SplitBwdConfig(128 // parts, 4, bwd_stages, bwd_w_packed))
     split_parts, groups = _rowsplit.split_grid(n, 2**20, 128 // parts, torch.device(device))
     assert split_parts == parts
@@ -756,6 +756,7 @@ def test_config_argument_is_checked(device):
            (ValueError, NormConfig(backward=BwdConfig(2, 64, 4, tail_n=32)), "config.backward .*tail"),
            (ValueError, NormConfig(forward=FwdConfig(1, 48, 4, one_pass=False)), "config.forward .*power of two"),
            (ValueError, NormConfig(backward=SplitBwdConfig(64, 3, 0)), "config.backward .*num_warps"),
+           (ValueError, NormConfig(forward=SplitFwdConfig(64, 4, 1, stages=1)), "config.forward .*stages"),
            (TypeError, NormConfig(forward=FwdConfig(True, 64, 4)), "config.forward .*block_m")]
     for error, config, message in bad:
         with pytest.raises(error, match=message):

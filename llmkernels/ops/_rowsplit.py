@@ -132,8 +132,9 @@ def collect(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr = False):
 
 
 @triton.jit
-def collect_pair(SLOTS, mask):
+def collect_pair(SLOTS, mask, IN_PIPELINED_LOOP: tl.constexpr = False):
     """The two fp32 values of each slot written by ``publish_pair`` (high word's, low word's)
-    where ``mask``, else 0."""
-    slots = _collect_slots(SLOTS, mask, False)
+    where ``mask``, else 0 (``IN_PIPELINED_LOOP``: as ``collect``'s; the tag, the high word's
+    sign bit, reads as set there too)."""
+    slots = _collect_slots(SLOTS, mask, IN_PIPELINED_LOOP)
     return tl.where(mask, _low_float((slots >> 32) & 0x7FFFFFFF), 0.0), _low_float(slots)

@@ -76,6 +76,12 @@ def _fits(config, n: int) -> bool:
     return held <= (128 if isinstance(config, FwdConfig) else 64) * threads and config.block_m * config.block_n <= 65536
 
 
+def _pipelined(config) -> list:
+    """A split forward's pipelined twin (second in line, so that a search cut short still tries it:
+    it measured best at wide rows on an H200, benchmarks/results/split-fwd-h200-2026-11-27/)."""
+    return [dataclasses.replace(config, stages=3)] if isinstance(config, SplitFwdConfig) and not config.stages else []
+
+
 def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
     """Configurations near the tables' for rows of ``n``: whole rows of other tiles and warps,
     pipelining stages and programs a multiprocessor; for wide rows, split slices and programs."""
@@ -85,7 +91,7 @@ def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
                 if n <= FWD_ONE_PASS_MAX and max(1, tile // bn) * bn // warps in (512, 1024)]
         if split and n > BWD_ONE_PASS_MAX:
             near += [SplitFwdConfig(4096, 4, 4), SplitFwdConfig(8192, 8, 2), SplitFwdConfig(8192, 4, 2),
-                     SplitFwdConfig(16384, 16, 1)]
+                     SplitFwdConfig(16384, 16, 1), SplitFwdConfig(8192, 8, 2, stages=3), SplitFwdConfig(4096, 4, 4, 4)]
         return near
     near = [BwdConfig(max(1, tile // bn), bn, warps, per_sm=per_sm, prefetch=prefetch)
             for tile in (8192, 16384) for warps, per_sm, prefetch in ((8, 1, 3), (8, 1, 4), (16, 1, 3), (16, 2, 1))
@@ -107,7 +113,7 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
         key = NormKey(is_rms, dtype, residual, n, m, model.sms, True, model.depth)
         choose = backward_config if backward else forward_config
         heuristic = choose(key)
-        candidates = _unique([heuristic, *(choose(key._replace(depth=d)) for d in DEPTHS),
+        candidates = _unique([heuristic, *_pipelined(heuristic), *(choose(key._replace(depth=d)) for d in DEPTHS),
                               *_norm_neighbours(n, backward, key.split)])
         candidates = tuple(c for c in candidates if _fits(c, n))[:limit or None]
         public = functools.partial(llmkernels.rms_norm if is_rms else llmkernels.layer_norm,

@@ -84,10 +84,15 @@ class SplitFwdConfig:
     block_n: int
     num_warps: int
     per_sm: int
+    # 0: a row ahead in registers, its slice read again for y; k >= 2: the row loop's loads
+    # pipelined by Triton in k stages, the previous row held for its y
+    stages: int = 0
 
     def check(self, n: int, name: str = "config") -> None:
         _check_fields(self, name)
         _require(self.per_sm >= 1, name, self, "per_sm must be at least 1")
+        _require(self.stages == 0 or 2 <= self.stages <= MAX_STAGES, name, self,
+                 f"stages must be 0 or 2 to {MAX_STAGES}")
 
     def deepened(self, depth: int) -> "SplitFwdConfig":
         """``depth`` times the programs a multiprocessor, each of half the slice and half the
@@ -95,7 +100,8 @@ class SplitFwdConfig:
         loads overlap another's exchange and stores; within MAX_SPLIT_PER_SM and MIN_SLICE."""
         config = self
         while depth > 1 and config.per_sm < MAX_SPLIT_PER_SM and config.block_n > MIN_SLICE and config.num_warps > 1:
-            config = SplitFwdConfig(config.block_n // 2, config.num_warps // 2, config.per_sm * 2)
+            config = dataclasses.replace(config, block_n=config.block_n // 2, num_warps=config.num_warps // 2,
+                                         per_sm=config.per_sm * 2)
             depth //= 2
         return config
 

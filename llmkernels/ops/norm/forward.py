@@ -183,6 +183,7 @@ def _norm_fwd_split_kernel(
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
     """Forward of rows too wide for one program: ``PARTS`` programs share each row, each taking a
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
@@ -196,7 +197,13 @@ def _norm_fwd_split_kernel(
     published and read back for y. Two slices (the one loading, the one published) are all a
     program holds across iterations, so that two programs fit an SM. Part 0 writes the row's
     statistics. EVEN: N is a multiple of BLOCK_N (no masked columns to keep out of the sums).
-    Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ..."""
+    Grid: (groups * PARTS,), all resident at once; group g takes rows g, g + groups, ...
+
+    STAGES >= 2: Triton pipelines the row loop's loads in STAGES stages (rows STAGES - 1 ahead
+    copied into shared memory, no registers held for them), so that more bytes are in flight
+    than two register slices allow; the previous row's slice stays in registers for its y
+    instead of being read again, and rows past the last publish zeros into spare slots
+    (``SLOTS [M + groups, PARTS]``) so that the loop holds no branch."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -207,6 +214,18 @@ def _norm_fwd_split_kernel(
     slot_idx = tl.arange(0, PARTS_POW2)
     slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
+    if STAGES > 0:
+        x_prev, shift_prev = _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask,
+                                           M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
+        for nxt in tl.range(group + groups, M + groups, groups, num_stages=STAGES):
+            nxt64 = nxt + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
+            x, shift = _fwd_split_in(X, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask, M, N,
+                                     in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
+            _fwd_split_write(nxt64 - groups, x_prev, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
+                             RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
+                             QUANTIZE, STORE_STATS, True)
+            x_prev, shift_prev = x, shift
+        return
     # x is read again for y (h, with a residual, is what is read again)
     x_evict_last: tl.constexpr = not HAS_RES
     x_next = row_slice(X, row, stride_x, cols, M, N, 0.0, x_evict_last)
@@ -230,9 +249,17 @@ def _norm_fwd_split_kernel(
                 tl.store(H + row * stride_h + cols, x_now, mask=mask, eviction_policy="evict_last")
             _fwd_split_publish(x_now.to(tl.float32), shift_now, mask, SLOTS + row * PARTS + part, IS_RMS, EVEN)
         if row >= groups:
-            _fwd_split_write(row - groups, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD,
-                             cols, mask, N, stride_x, stride_h, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS,
-                             HAS_RES, HAS_W, HAS_B, QUANTIZE, STORE_STATS)
+            # The slice is read again first: that read is in flight while the program waits on
+            # the slots (measured: benchmarks/RESULTS.md 1.2).
+            if HAS_RES:
+                x_again = tl.load(H + (row - groups) * stride_h + cols, mask=mask, other=0.0,
+                                  eviction_policy="evict_first")
+            else:
+                x_again = tl.load(X + (row - groups) * stride_x + cols, mask=mask, other=0.0,
+                                  eviction_policy="evict_first")
+            _fwd_split_write(row - groups, x_again, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
+                             RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
+                             QUANTIZE, STORE_STATS, False)
         shift_prev = shift_now
         row += groups
 
@@ -262,21 +289,32 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.cons
 
 
 @triton.jit
-def _fwd_split_write(row, shift, part, SLOTS, slot_idx, slot_mask, w, b, X, H, Y, MEAN, RSTD, cols, mask, N,
-                     stride_x, stride_h, stride_y, eps, weight_offset, in_ty: tl.constexpr, PARTS: tl.constexpr,
-                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr):
-    """Read row ``row``'s slice again (x, or h with a residual), collect the row's sums from its
-    slots and write y of the slice (part 0: and the row's statistics). The read goes first: it
-    is in flight while the program waits on the slots (measured: benchmarks/RESULTS.md 1.2)."""
+def _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask, M, N, in_ty: tl.constexpr,
+                  PARTS: tl.constexpr, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
+    """Load row ``row``'s slice (x, or h = x + residual, stored to H; zeros past the last row) and
+    publish its sums; returns the slice in the norm's input dtype and its shift (LayerNorm)."""
+    x = row_slice(X, row, stride_x, cols, M, N, 0.0)
     if HAS_RES:
-        x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        x = (x.to(tl.float32) + row_slice(RES, row, stride_res, cols, M, N, 0.0).to(tl.float32)).to(in_ty)
+        tl.store(H + row * stride_h + cols, x, mask=cols < tl.where(row < M, N, 0))
+    shift = 0.0
+    if not IS_RMS:
+        shift = _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty, HAS_RES)
+    _fwd_split_publish(x.to(tl.float32), shift, mask, SLOTS + row * PARTS + part, IS_RMS, EVEN)
+    return x, shift
+
+
+@triton.jit
+def _fwd_split_write(row, x, shift, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask, N, stride_y,
+                     eps, weight_offset, in_ty: tl.constexpr, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+                     IN_PIPELINED_LOOP: tl.constexpr):
+    """Collect row ``row``'s sums from its slots and write y of its slice ``x`` (x, or h with a
+    residual; part 0: and the row's statistics)."""
     if IS_RMS:
-        sums_sq = collect(SLOTS + row * PARTS + slot_idx, slot_mask)
+        sums_sq = collect(SLOTS + row * PARTS + slot_idx, slot_mask, IN_PIPELINED_LOOP)
     else:
-        sums_sq, sums = collect_pair(SLOTS + row * PARTS + slot_idx, slot_mask)
+        sums_sq, sums = collect_pair(SLOTS + row * PARTS + slot_idx, slot_mask, IN_PIPELINED_LOOP)
     x = x.to(tl.float32)
     if HAS_W:
         w = keep_packed(w)

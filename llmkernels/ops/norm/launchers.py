@@ -54,8 +54,8 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
         return launcher(_norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
-                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, num_warps=config.num_warps,
-                        maxnreg=resident_registers(config.num_warps, config.per_sm))
+                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages,
+                        num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
     return launcher(_norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
@@ -94,7 +94,9 @@ def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: 
         split = split_grid(n, m, config.block_n, device, config.per_sm) if key.split else None
         if split is not None:
             parts, groups = split
-            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), (m, parts))
+            # (a pipelined kernel publishes the rows past the last into spare slots)
+            slots = (m + groups if config.stages else m, parts)
+            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
         config = forward_config(key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 

@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NORM_WIDTHS = (1024, 2304, 4096, 5120, 8192, 14336, 18432, 32768, 53248, 65536, 131072)
 VOCABS = (32000, 128256, 262144)
 ROPE_SEQ = (4096,)
-PEERS = ("torch", "torch_compile", "liger", "quack")
+PEERS = ("torch", "torch_fused", "torch_compile", "liger", "quack")
 # family -> (bench op, its llmkernels provider, the modes of fwd_pct and bwd_pct)
 FAMILIES = {
     "norm": [("rmsnorm", "llmkernels", ("fwd", "bwd")), ("layernorm", "llmkernels", ("fwd", "bwd")),

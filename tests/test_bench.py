@@ -17,7 +17,7 @@ from llmkernels.bench.runner import TOL, Case, Runner, Settings
 NORM_OPS = ("rmsnorm", "layernorm", "add_rmsnorm")
 GLU_OPS = ("swiglu", "geglu")
 LINEAR_LOSS_OPS = ("linear_cross_entropy", "linear_log_probs", "linear_distill")
-PEERS = ("llmkernels", "torch", "hf_eager", "torch_compile", "liger", "quack")
+PEERS = ("llmkernels", "torch", "torch_fused", "hf_eager", "torch_compile", "liger", "quack")
 
 
 def test_registry_declares_the_norm_ops():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import llmkernels
 
 from .. import reference
-from .registry import BenchOp, Provider, compile_static, register
+from .registry import BenchOp, Provider, Unavailable, compile_static, register
 
 H = 4096
 ROWS = 16384
@@ -76,6 +76,15 @@ def _torch_lce(hidden, weight, target):
     return F.cross_entropy(F.linear(hidden, weight).float(), target)
 
 
+def _torch_native_lce_factory():
+    """PyTorch's own chunked ``F.linear_cross_entropy`` (torch >= 2.13), its options at their
+    defaults ("auto" chunking and accumulation)."""
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or not hasattr(F, "linear_cross_entropy"):
+        raise Unavailable(f"torch {torch.__version__} has no chunked F.linear_cross_entropy (torch >= 2.13)")
+    return lambda hidden, weight, target: F.linear_cross_entropy(hidden, weight, target, options=options())
+
+
 register(BenchOp(
     name="linear_cross_entropy", axis="V", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
@@ -88,6 +97,7 @@ register(BenchOp(
         "llmkernels_low_memory": Provider(lambda: functools.partial(llmkernels.linear_cross_entropy, memory="low"),
                                           single_backward=True),
         "torch": Provider(lambda: _torch_lce),
+        "torch_native": Provider(_torch_native_lce_factory, single_backward=True),
         "torch_compile": Provider(lambda: compile_static(_torch_lce)),
     },
 ))

@@ -91,6 +91,15 @@ def _torch_rms_factory():
     return _torch_rms
 
 
+def _torch_fused_rms_factory():
+    """PyTorch's fused RMSNorm kernel (``aten._fused_rms_norm``, the one ``F.rms_norm`` takes on
+    CUDA where it applies), called directly so that its kernel is timed whatever the dispatch."""
+    fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if fused is None:
+        raise Unavailable(f"torch {torch.__version__} has no aten._fused_rms_norm")
+    return lambda x, weight: fused(x, [x.shape[-1]], weight, RMS_EPS)[0]
+
+
 def _liger_rms_factory():
     apply = liger_function("rms_norm", "LigerRMSNormFunction")
     # in_place=False: keep dy intact across the repeated timed backward calls (same bytes moved).
@@ -111,6 +120,7 @@ register(BenchOp(
     providers={
         "llmkernels": Provider(lambda: functools.partial(llmkernels.rms_norm, eps=RMS_EPS)),
         "torch": Provider(_torch_rms_factory),
+        "torch_fused": Provider(_torch_fused_rms_factory),
         "hf_eager": Provider(lambda: _rms_hf),
         "torch_compile": Provider(lambda: compile_static(_rms_ref)),
         "liger": Provider(_liger_rms_factory, gpu_only=True),

@@ -9,7 +9,9 @@ Stages, in order:
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
      (``tokens_per_param``), and a second seed at ``seed_budgets``.
   3. ``upper``: the other budgets, their windows centred on ``N_opt(C)`` fitted to the lower
-     budgets; half the batch at three sizes of the top budget (the batch check).
+     budgets when that fit is good enough, else shrunk toward the prior exponent, and widened by
+     the extrapolation's uncertainty (``centre_plan``); half the batch at three sizes of the top
+     budget (the batch check).
 Sizes that would see fewer than ``min_tokens_per_param`` tokens a parameter are skipped.
 
 GPU time of the default, and how it was sized: ``estimate`` sums ``plan.StepCost`` (seconds a step
@@ -22,6 +24,7 @@ to 5 s a run. 1e14-1e16 with the same layout would take about 27 minutes, over t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .plan import (H100, LADDER, HParams, LRRule, ModelConfig, Run, StepCost, budgets, make_run, parse_batch_rule,
@@ -67,10 +70,12 @@ class Design:
     def budgets(self) -> list[float]:
         return budgets(self.budget_lo, self.budget_hi, self.n_budgets)
 
-    def sizes(self, models: list[ModelConfig], compute: float, centre: float | None = None) -> list[ModelConfig]:
-        """The window at ``compute``, around ``centre`` (default: the prior optimum)."""
+    def sizes(self, models: list[ModelConfig], compute: float, centre: float | None = None,
+              span: float | None = None) -> list[ModelConfig]:
+        """The window at ``compute``, around ``centre`` (default: the prior optimum), ``span`` (default:
+        the design's) each side."""
         centre = prior_optimal_params(compute, self.tokens_per_param) if centre is None else centre
-        return window(models, compute, centre, self.sizes_per_budget, self.span, self.min_tokens_per_param)
+        return window(models, compute, centre, self.sizes_per_budget, span or self.span, self.min_tokens_per_param)
 
     # ----------------------------------------------------------------------------------------
     def lr_budget_indices(self, hp: HParams) -> tuple:
@@ -121,12 +126,13 @@ class Design:
                               batch=hp.batch(c) // 2) for j in picks]
         return runs
 
-    def stage_runs(self, models, rule: LRRule, hp: HParams, indices, centres: dict | None = None) -> list[Run]:
+    def stage_runs(self, models, rule: LRRule, hp: HParams, indices, centres: dict | None = None,
+                   spans: dict | None = None) -> list[Run]:
         """The IsoFLOP runs of the budgets ``indices`` (windows around ``centres[budget]``, default the
-        prior) and the checks that fall at them."""
+        prior, ``spans[budget]`` each side, default the design's) and the checks that fall at them."""
         runs, cs = [], self.budgets()
         for i in indices:
-            sizes = self.sizes(models, cs[i], (centres or {}).get(cs[i]))
+            sizes = self.sizes(models, cs[i], (centres or {}).get(cs[i]), (spans or {}).get(cs[i]))
             runs += [make_run("sweep", cs[i], m, rule, hp, seed=self.seed, backend=self.backend) for m in sizes]
             runs += self._checks(models, rule, hp, i, sizes)
         return runs
@@ -134,8 +140,8 @@ class Design:
     def lower(self, models, rule: LRRule, hp: HParams) -> list[Run]:
         return self.stage_runs(models, rule, hp, range(self.lower_budgets))
 
-    def upper(self, models, rule: LRRule, hp: HParams, centres: dict | None) -> list[Run]:
-        return self.stage_runs(models, rule, hp, range(self.lower_budgets, self.n_budgets), centres)
+    def upper(self, models, rule: LRRule, hp: HParams, centres: dict | None, spans: dict | None = None) -> list[Run]:
+        return self.stage_runs(models, rule, hp, range(self.lower_budgets, self.n_budgets), centres, spans)
 
 
 def estimate(runs: list[Run], cost: StepCost = H100, pieces: int = 1) -> float:
@@ -172,8 +178,60 @@ def design_from(args) -> tuple[Design, HParams, list]:
     return design, hp, ladder
 
 
-def centres_from(fit_n: dict | None, upper: list[float]) -> dict | None:
-    """``{budget: N_opt}`` from a fitted ``N_opt = coef·C^exponent`` (``fit.power_law``'s), None if none."""
-    if not fit_n or not fit_n.get("ok") or not fit_n.get("exponent") or fit_n["exponent"] <= 0:
-        return None
-    return {c: fit_n["coef"] * c ** fit_n["exponent"] for c in upper}
+# The lower budgets' N_opt(C) fit places the upper windows as it is only when it is at least this
+# good; otherwise its exponent is shrunk toward the prior's (the H200's second cut-short sweep
+# placed them from 3 points with r2 0.01 and an exponent of 0.05 +- 0.37: 4-8x below the first's).
+CENTRE_MIN_POINTS = 4
+CENTRE_MIN_R2 = 0.7
+CENTRE_MAX_SE = 0.15
+PRIOR_EXPONENT, PRIOR_EXPONENT_SD = 0.5, 0.1  # Chinchilla's a, and the spread of published small-scale fits
+MAX_SPAN_GROWTH = 1.5  # a 9-size window then stays at most about 1.46x apart
+
+
+def empirical_optima(lower_runs: list[dict], optima: list[dict]) -> list[tuple[float, float]]:
+    """``(C, N)`` per lower budget: the parabola's minimum where it lies inside the sizes tried,
+    else the size of lowest loss (a minimum at the window's edge is still the best evidence there)."""
+    inside = {o["budget"]: o["n_opt"] for o in optima if o["ok"] and o["inside"]}
+    points = []
+    for c in sorted({r["budget"] for r in lower_runs}):
+        best = min((r for r in lower_runs if r["budget"] == c), key=lambda r: r["val_loss"])
+        points.append((c, inside.get(c, best["params"])))
+    return points
+
+
+def centre_plan(lower_runs: list[dict], fit_n: dict | None, optima: list[dict], upper: list[float], span: float) -> dict:
+    """Centres and half-widths (``span``) of the upper budgets' windows from the lower budgets.
+
+    ``fit_n`` (approach 2's weighted ``N_opt = coef·C^exponent``) is used as it is when it passes the
+    quality bar (``CENTRE_MIN_POINTS`` budgets, r2 >= ``CENTRE_MIN_R2``, exponent SE <=
+    ``CENTRE_MAX_SE``, 0 < exponent < 1); otherwise the exponent is the precision-weighted blend of
+    its own and the prior ``PRIOR_EXPONENT ± PRIOR_EXPONENT_SD`` (the prior alone without a usable
+    fit), through the lower budgets' empirical optima (``empirical_optima``) in log-log. Each window
+    widens by the extrapolation's standard error in log N, ``exp(se·|log C - mean log C_lower|)``,
+    at most ``MAX_SPAN_GROWTH`` times. Empty ``centres`` (the prior's windows) without lower runs."""
+    points = empirical_optima(lower_runs, optima) if lower_runs else []
+    if not points:
+        return {"source": "prior (no lower-budget results)", "centres": {}, "spans": {}}
+    mean_lc = sum(math.log(c) for c, _ in points) / len(points)
+    mean_ln = sum(math.log(n) for _, n in points) / len(points)
+    fit_n = fit_n or {}
+    a, se = fit_n.get("exponent"), fit_n.get("exponent_se")
+    good = (bool(fit_n.get("ok")) and a is not None and se is not None and 0 < a < 1 and se <= CENTRE_MAX_SE
+            and fit_n.get("n_points", 0) >= CENTRE_MIN_POINTS and (fit_n.get("r2") or 0.0) >= CENTRE_MIN_R2)
+    if good:
+        exponent, exp_se, log_coef = a, se, math.log(fit_n["coef"])
+        source = f"approach 2 over the lower budgets (a = {a:.3f} ± {se:.3f}, r2 {fit_n['r2']:.2f}, {fit_n['n_points']} budgets)"
+    else:
+        w_prior = PRIOR_EXPONENT_SD ** -2
+        w_fit = se ** -2 if fit_n.get("ok") and a is not None and se else 0.0
+        exponent = (w_prior * PRIOR_EXPONENT + w_fit * (a if w_fit else 0.0)) / (w_prior + w_fit)
+        exp_se = (w_prior + w_fit) ** -0.5
+        log_coef = mean_ln - exponent * mean_lc
+        why = ("no usable fit" if not w_fit else
+               f"fit a = {a:.3f} ± {se:.3f}, r2 {fit_n.get('r2') or 0.0:.2f}, {fit_n.get('n_points', 0)} budgets")
+        source = (f"prior a = {PRIOR_EXPONENT} ± {PRIOR_EXPONENT_SD} blended with the lower budgets ({why}): "
+                  f"a = {exponent:.3f} ± {exp_se:.3f} through their empirical optima")
+    centres = {c: math.exp(log_coef + exponent * math.log(c)) for c in upper}
+    spans = {c: span * min(MAX_SPAN_GROWTH, math.exp(exp_se * abs(math.log(c) - mean_lc))) for c in upper}
+    return {"source": source, "good_fit": good, "exponent": exponent, "exponent_se": exp_se,
+            "optima": [list(p) for p in points], "centres": centres, "spans": spans}

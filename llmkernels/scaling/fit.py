@@ -25,6 +25,9 @@ import numpy as np
 # 9-size window 1.3x apart, a 7x range in N): far from the minimum the loss is not parabolic in
 # log N (a model well off the optimum stops far from converged), which would drag the minimum.
 PARABOLA_HALF_WIDTH = 3
+# A learning-rate run this far (nats) above its size's best rate stalled or diverged (the H200's
+# L6-W256 at 2x its best: +0.7) rather than sat on the smooth side of the optimum (within ~0.1).
+UNSTABLE_MARGIN = 0.25
 ENVELOPE_POINTS = 250  # approach 1's computes inside the budgets (issue 33: 60 moved a by 0.035)
 
 
@@ -237,7 +240,9 @@ def optimal_loss_law(optima: list[dict]) -> dict:
 def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
     """From the learning-rate sweep: per (budget, size) the loss-minimising rate (a parabola in
     log lr through the best rate tried and its two neighbours; a diverged run counts as the worst),
-    or the best rate tried when that is the lowest or highest (``edge``: "low" / "high"), then
+    or the best rate tried when that is the lowest or highest (``edge``: "low" / "high") or when a
+    neighbour is ``unstable`` (more than ``UNSTABLE_MARGIN`` above the best: a diverged or stalled
+    run, whose loss says nothing about the optimum's position), then
     ``log(lr*) - kappa·log(batch_tokens / 2^15) = log c - gamma·log(N / 1e6)`` by least squares.
     Returns ``{"c", "gamma", "groups": [...], "by_batch", ...}`` (``by_batch``: the mean residual of
     log lr* at each batch, kappa's check); ``gamma`` is None (and ``c`` their geometric mean) with
@@ -252,12 +257,15 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
         losses = np.array([math.inf if r["val_loss"] is None else r["val_loss"] for r in rs])
         i = int(np.argmin(losses))
         edge = "low" if i == 0 else "high" if i == len(rs) - 1 else None
-        fit = parabola_min(llr[i - 1: i + 2], losses[i - 1: i + 2]) if edge is None else {"ok": False}
+        unstable = losses > losses[i] + UNSTABLE_MARGIN
+        near = [j for j in (i - 1, i, i + 1) if 0 <= j < len(rs) and not unstable[j]]
+        fit = parabola_min(llr[near], losses[near]) if edge is None and len(near) == 3 else {"ok": False}
         best = float(math.exp(fit["x_min"] if fit["ok"] else llr[i]))
         batch_tokens = rs[0]["train"]["batch_size"] * rs[0]["model"]["seq_len"]
         rows.append({"budget": c, "name": name, "params": rs[0]["params"], "batch_tokens": batch_tokens,
                      "lrs": [r["train"]["lr"] for r in rs], "lr_mults": [r["lr_mult"] for r in rs],
                      "losses": [None if not math.isfinite(v) else float(v) for v in losses], "lr_opt": best,
+                     "unstable": [r["lr_mult"] for r, u in zip(rs, unstable) if u],
                      "edge": edge, "at_edge": edge is not None, "normalised": best / (batch_tokens / 2**15) ** kappa})
     if not rows:
         return {"ok": False, "groups": []}

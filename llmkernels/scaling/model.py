@@ -1,7 +1,9 @@
 """A Llama-style decoder for the scaling experiments, on either backend.
 
 Pre-norm blocks: ``(y, h) = RMSNorm(x + h)`` (the residual add fused into the norm), causal
-self-attention with rotary position embeddings through ``F.scaled_dot_product_attention`` (heads of
+self-attention (optionally with an RMSNorm of each head's queries and keys before the rotation,
+``ModelConfig.qk_norm``: it bounds the attention logits, whose growth is a known cause of early
+instability at high learning rates, Wortsman et al. 2023) with rotary position embeddings through ``F.scaled_dot_product_attention`` (heads of
 64: FlashAttention), a SwiGLU MLP; a final RMSNorm and a language-model head tied to the token
 embedding, whose loss is the mean next-token cross-entropy.
 
@@ -102,6 +104,7 @@ class Block(nn.Module):
         d = cfg.width
         self.n_heads, self.head_dim, self.ops = cfg.n_heads, cfg.head_dim, ops
         self.attn_norm = ops["norm"](d, cfg.eps)
+        self.qk_norms = nn.ModuleList(ops["norm"](cfg.head_dim, cfg.eps) for _ in range(2)) if cfg.qk_norm else None
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
         self.mlp_norm = ops["norm"](d, cfg.eps)
@@ -112,6 +115,8 @@ class Block(nn.Module):
         b, t, d = x.shape
         y, residual = self.attn_norm(x, residual, out_dtype=act_dtype)
         q, k, v = self.qkv(y).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+        if self.qk_norms is not None:
+            q, k = (norm(h.contiguous(), out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
         q, k = self.ops["rope"](q, k, cos, sin, layout="bshd")
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = self.proj(a.transpose(1, 2).reshape(b, t, d))

@@ -53,6 +53,7 @@ class ModelConfig:
     head_dim: int = HEAD_DIM
     rope_theta: float = 10000.0
     eps: float = 1e-6
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layers", "width", "seq_len", "head_dim"):
@@ -78,9 +79,9 @@ class ModelConfig:
         return step * max(1, round(8 * self.width / 3 / step))
 
     def non_embedding_params(self) -> int:
-        """Attention 4·d², SwiGLU 3·d·hidden, two norms a block, the final norm."""
+        """Attention 4·d², SwiGLU 3·d·hidden, two norms a block (and the query and key norms), the final norm."""
         d, h = self.width, self.mlp_hidden
-        return self.n_layers * (4 * d * d + 3 * d * h + 2 * d) + d
+        return self.n_layers * (4 * d * d + 3 * d * h + 2 * d + (2 * self.head_dim if self.qk_norm else 0)) + d
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.width
@@ -94,12 +95,15 @@ class ModelConfig:
         return 6 * self.total_params() + 6 * self.n_layers * self.seq_len * self.width
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # without QK-norm the record omits the field, so runs recorded before it existed keep their keys
+        return {k: v for k, v in asdict(self).items() if k != "qk_norm" or v}
 
 
-def ladder_models(vocab_size: int, seq_len: int = SEQ_LEN, head_dim: int = HEAD_DIM, ladder=None) -> list[ModelConfig]:
+def ladder_models(vocab_size: int, seq_len: int = SEQ_LEN, head_dim: int = HEAD_DIM, ladder=None,
+                  qk_norm: bool = False) -> list[ModelConfig]:
     shapes = LADDER if ladder is None else ladder
-    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim) for n_layers, width in shapes]
+    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim, qk_norm=qk_norm)
+              for n_layers, width in shapes]
     return sorted(models, key=ModelConfig.total_params)
 
 

@@ -17,10 +17,10 @@ import torch
 
 from . import data as data_mod
 from . import fit, report, surface
-from .design import centres_from, design_from
+from .design import centre_plan, design_from
 from .plan import H100, LRRule, ladder_models
-from .store import read_centres, read_json, read_rule, write_json
-from .train import TimeUp, TrainConfig, eval_windows, train_run
+from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, write_json
+from .train import TimeUp, TrainConfig, eval_windows, set_deterministic, train_run
 
 EXIT_INCOMPLETE = 3
 STAGE_ORDER = {"lr": 0, "sweep": 1, "seed": 2, "batch": 3, "backend": 4}
@@ -243,23 +243,42 @@ class Session:
         self.log(f"learning-rate rule: c = {rule.c:.3g}, gamma = {rule.gamma:.3f} ({rule.source})")
         return rule, lr_fit, results, []
 
-    def centres(self, design, lower_results: list[dict]) -> dict | None:
-        """The upper budgets' window centres: ``N_opt(C)`` fitted to the lower budgets' IsoFLOP runs
-        (approach 2's weighted power law), saved in ``centres.json``; None (the prior) when it has
-        no rising fit."""
+    def centres(self, design, lower_results: list[dict]) -> tuple[dict | None, dict]:
+        """The upper budgets' window centres and spans (``design.centre_plan``) from the lower budgets'
+        IsoFLOP runs, saved in ``centres.json``."""
         upper = design.budgets()[design.lower_budgets:]
         sweep = [r for r in lower_results if r["stage"] == "sweep" and r["val_loss"] is not None]
 
         def make():
             a2 = fit.approach2(sweep)
-            c = centres_from(a2["fit_n"], upper)
-            return {"source": "approach 2 over the lower budgets" if c else "prior (no rising N_opt(C) fit)",
-                    "fit_n": a2["fit_n"], "centres": {f"{k:g}": v for k, v in (c or {}).items()}}
+            plan = centre_plan(sweep, a2["fit_n"], a2["optima"], upper, design.span)
+            return {**plan, "fit_n": a2["fit_n"], "centres": {f"{k:g}": v for k, v in plan["centres"].items()},
+                    "spans": {f"{k:g}": v for k, v in plan["spans"].items()}}
         saved = self.fitted_once("centres.json", sorted(r["id"] for r in sweep), make)
         self.log(f"upper budgets' windows: {saved['source']}")
-        return read_centres(self.out)
+        return read_centres(self.out), read_spans(self.out)
 
     def main(self) -> int:
+        """The sweep, restored first from ``--restore`` and packed last into ``--archive`` (also when
+        cut short or failed: what finished is kept); deterministic kernels on GPU unless
+        ``--nondeterministic``."""
+        a = self.args
+        if a.restore and self.rank == 0:
+            if Path(a.restore).is_file():
+                self.log(f"restored {unpack(Path(a.restore), self.out)} files from {a.restore} into {self.out}")
+            else:
+                self.log(f"--restore: no archive at {a.restore}: starting from what {self.out} holds")
+        self.barrier()
+        deterministic = self.device.type == "cuda" and not a.nondeterministic
+        set_deterministic(deterministic)
+        try:
+            return self.sweep()
+        finally:
+            set_deterministic(False)
+            if a.archive and self.rank == 0:
+                self.log(f"packed {pack(self.out, Path(a.archive))} files of {self.out} into {a.archive}")
+
+    def sweep(self) -> int:
         a = self.args
         if a.fit_only:
             corpus = None
@@ -270,7 +289,7 @@ class Session:
         self.fingerprint = self.meta["fingerprint"]
         design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
-        models = ladder_models(vocab, a.seq_len, a.head_dim, ladder)
+        models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm)
         if corpus is not None:
             self.train_tokens = torch.from_numpy(corpus.train).to(self.device)
             val = torch.from_numpy(corpus.val).to(self.device)
@@ -286,7 +305,7 @@ class Session:
             lower, missing = self.execute(design.lower(models, rule, self.hp), "lower")
             results += lower
             if not missing:
-                upper, missing = self.execute(design.upper(models, rule, self.hp, self.centres(design, lower)), "upper")
+                upper, missing = self.execute(design.upper(models, rule, self.hp, *self.centres(design, lower)), "upper")
                 results += upper
         if missing:
             self.incomplete(missing)
@@ -318,6 +337,7 @@ class Session:
                 "command": "llmkernels scaling " + " ".join(sys.argv[1:] if self.argv is None else self.argv),
                 "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
                 "world_size": self.world, "captured": sorted({r["captured"] for r in results}),
+                "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
         an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap)
         boot = an["bootstrap"] or {}

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import data as data_mod
 from .design import Design, design_from, estimate
 from .plan import BYTE_VOCAB, SEQ_LEN, HParams, LRRule, ladder_models
-from .store import read_centres, read_rule
+from .store import read_centres, read_rule, read_spans
 
 EXIT_USAGE = 2
 EXTRAS = ("scipy", "matplotlib", "tqdm")
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                    help="bootstrap resamples of the runs for the intervals (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (one line per finished run stays)")
+    g.add_argument("--restore", metavar="ARCHIVE", default=None,
+                   help="first extract an --archive of an earlier invocation into --out (nothing when the file "
+                        "is absent), so that a sweep cut into calls on fresh machines resumes from one file")
+    g.add_argument("--archive", metavar="ARCHIVE", default=None,
+                   help="last (also when cut short) pack --out's small files (runs, fits, report, figures; not "
+                        "the token arrays or checkpoints) into this .tar.gz")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="a text file, a folder of text files, or JSON lines with a 'text' field (default: every "
@@ -92,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head-dim", metavar="N", type=int, default=64, help="attention head size (default: %(default)s)")
     g.add_argument("--backend", choices=("kernels", "reference"), default="kernels",
                    help="kernels: llmkernels' Triton ops; reference: plain PyTorch (default: %(default)s)")
+    g.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="RMSNorm of each head's queries and keys (stabilises high learning rates) (default: on)")
     g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order (default: %(default)s)")
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
                    help="budgets (0 = smallest) rerun with seed + 1; empty: none (default: %(default)s)")
@@ -129,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU (default: %(default)s)")
     g.add_argument("--no-graph", action="store_true", help="run the step eagerly instead of as one CUDA graph")
+    g.add_argument("--nondeterministic", action="store_true",
+                   help="PyTorch's default kernels on GPU: about 9%% faster steps, but the embedding's gradient "
+                        "sums in a varying order and the same run differs from call to call (default: deterministic)")
     return p
 
 
@@ -147,11 +158,11 @@ def print_plan(args, out=print) -> int:
     files, n_bytes = data_mod.estimate_bytes(dcfg)
     vocab = BYTE_VOCAB if args.tokenizer == "byte" else args.vocab_size
     train_tokens = n_bytes * (1 - args.heldout_frac) / (1.0 if args.tokenizer == "byte" else 3.2)
-    models = ladder_models(vocab, args.seq_len, args.head_dim, ladder)
+    models = ladder_models(vocab, args.seq_len, args.head_dim, ladder, qk_norm=args.qk_norm)
     rule = read_rule(Path(args.out)) or (LRRule(c=args.lr, gamma=args.lr_gamma, source="--lr") if args.lr else LRRule())
     centres = read_centres(Path(args.out))
     lr_runs = [] if args.lr else design.lr_sweep(models, hp)
-    runs = design.lower(models, rule, hp) + design.upper(models, rule, hp, centres)
+    runs = design.lower(models, rule, hp) + design.upper(models, rule, hp, centres, read_spans(Path(args.out)))
     out(f"data: {files:,} files, {n_bytes / 1e6:,.0f} MB before deduplication: about {train_tokens / 1e6:,.0f}M train "
         f"tokens ({args.tokenizer}); epochs below are estimates from that")
     out(f"learning rates: {rule.source} (c = {rule.c:.3g}, gamma = {rule.gamma:.3f}, kappa = {rule.kappa}); upper "

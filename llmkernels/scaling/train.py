@@ -27,6 +27,17 @@ from .plan import HParams, ModelConfig
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
+def set_deterministic(on: bool):
+    """Bitwise-reproducible training on GPU (``--deterministic``): PyTorch's deterministic kernels
+    (among them FlashAttention's backward without atomic adds) and cuBLAS with a fixed workspace.
+    Call before the first matrix product: cuBLAS reads its variable when its handle is made."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    # filling every new tensor with NaN (the default in this mode) would add a kernel per allocation to each step
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 class TimeUp(Exception):
     """The run hit the caller's deadline; its checkpoint holds where it stopped."""
 
@@ -312,4 +323,5 @@ def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, v
         "train_seconds": train_seconds, "setup_seconds": setup_seconds, "tokens_per_s": tokens_per_s,
         "tflops": flops_per_s / 1e12, "mfu": None if peak is None else flops_per_s / peak,
         "wall_seconds": time.perf_counter() - wall0, "resumed_from_step": start,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
     }

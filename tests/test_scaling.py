@@ -219,7 +219,9 @@ def test_fits_recover_known_exponents_and_e(seed):
     a1 = fit.approach1(runs)
     assert a1["points"] >= 200 and a1["sizes_on_envelope"] >= 3 and a1["a"] == pytest.approx(A_TRUE, abs=0.1)
     ex = intervals.extrapolation(runs, starts=[a3["theta"]])
-    assert ex["ok"] and abs(ex["approach3_error"]) < 0.02 and abs(ex["loss_law_error"]) < 0.1
+    # (|error| over 40 draws at this noise: median 0.006, 90th percentile 0.017, largest 0.024; 0.02
+    # failed one draw in 20)
+    assert ex["ok"] and abs(ex["approach3_error"]) < 0.04 and abs(ex["loss_law_error"]) < 0.1
     front = fit.frontier(runs)
     assert all(p["best"] <= q["best"] for p, q in zip(front[1:], front))  # monotone
 

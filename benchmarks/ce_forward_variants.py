@@ -15,7 +15,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops.cross_entropy import DEFAULT_CONFIG
+from llmkernels.ops.configs.cross_entropy import DEFAULT_CONFIG
 
 copy = copy_bandwidth(torch.device("cuda"))
 print(f"copy {copy:.0f} GB/s", flush=True)

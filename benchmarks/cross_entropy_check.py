@@ -33,7 +33,7 @@ from triton.testing import do_bench
 
 import llmkernels
 from llmkernels.bench.runner import copy_bandwidth
-from llmkernels.ops.cross_entropy import DEFAULT_CONFIG, SplitInplace
+from llmkernels.ops.configs.cross_entropy import DEFAULT_CONFIG, SplitInplace
 
 CE_SHAPES = [(8192, 32000), (8192, 128256), (4096, 262144)]
 LCE_SHAPE = (16384, 4096, 128256)

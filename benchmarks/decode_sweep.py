@@ -72,17 +72,19 @@ def main():
         w = torch.randn(n, device=device, dtype=torch.bfloat16)
         b = None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16)
 
+        res = None if r is None else x.dtype
+        options = norm.NormOptions(is_rms, is_rms, 1, 1e-6, 0.0, x.dtype, res, x.dtype, res,
+                                   None if b is None else b.dtype)
+
         def fwd(config=None):
-            return norm.norm_fwd(x, w, b, r, 1, 1e-6, 0.0, is_rms, is_rms, x.dtype, None if r is None else x.dtype,
-                                 True, config=config)
+            return norm.norm_fwd(x, w, b, r, options, store_stats=True, config=config)
 
         y, h, mean, rstd = fwd()
         dy = torch.randn_like(y)
         dh = None if h is None else torch.randn_like(h)
 
         def bwd(config=None):
-            return norm.norm_bwd(dy, dh, x if h is None else h, w, None if b is None else b.dtype, mean, rstd, 1, 0.0,
-                                 is_rms, is_rms, x.dtype, None if r is None else x.dtype, True, config=config)
+            return norm.norm_bwd(dy, dh, x if h is None else h, w, mean, rstd, options, share_dres=True, config=config)
 
         base = {"op": op, "n": n, "m": m}
         for which, fn, cands in (("fwd", fwd, fwd_candidates(m, n, norm)),

@@ -129,6 +129,26 @@ LAUNCH_WIDTHS = sorted({v for p in range(4, 19) for v in (2**p - 1, 2**p, 2**p +
 LAUNCH_ROWS = (1, 5, 8, 16, 100, 256, 300, 4096)
 
 
+def _with_options(launchers, fwd, bwd):
+    """``fwd`` and ``bwd`` that take one ``NormOptions`` record, called with the older positional
+    arguments."""
+    def options(x_dtype, bias_dtype, res_dtype, heads, eps, offset, is_rms, quantize, out_dtype, h_dtype):
+        return launchers.NormOptions(is_rms, quantize, heads, eps, offset, out_dtype, h_dtype, x_dtype, res_dtype,
+                                     bias_dtype)
+
+    def positional_fwd(x, w, b, r, *args):
+        *rest, store_stats = args
+        return fwd(x, w, b, r, options(x.dtype, None if b is None else b.dtype, None if r is None else r.dtype, *rest),
+                   store_stats=store_stats)
+
+    def positional_bwd(dy, dh, xin, w, bias_dtype, mean, rstd, heads, offset, is_rms, quantize, x_dtype, res_dtype,
+                       share_dres=False):
+        return bwd(dy, dh, xin, w, mean, rstd,
+                   options(x_dtype, bias_dtype, res_dtype, heads, 0.0, offset, is_rms, quantize, x_dtype, res_dtype),
+                   share_dres=share_dres)
+    return positional_fwd, positional_bwd
+
+
 def record(tree: str, out: str) -> None:
     """Run every case through the launchers of ``tree``, recording each launch instead of running it."""
     sys.path.insert(0, tree)
@@ -140,6 +160,8 @@ def record(tree: str, out: str) -> None:
     assert launchers.__file__.startswith(tree), launchers.__file__
     fwd = getattr(launchers, "norm_fwd", None) or launchers._norm_fwd
     bwd = getattr(launchers, "norm_bwd", None) or launchers._norm_bwd
+    if hasattr(launchers, "NormOptions"):  # a tree whose launchers take one options record: called as the older ones
+        fwd, bwd = _with_options(launchers, fwd, bwd)
     launches = []
 
     def recorded(self, grid, *args):

@@ -196,7 +196,8 @@ def bench_distill(torch, lk, runner, shape, device, dtype):
         return (rows * valid).sum() / valid.sum()
 
     providers = {
-        "llmkernels": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, kind="jsd", beta=0.5),
+        "llmkernels": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, kind="jsd", beta=0.5,
+                                                          memory="low"),
         "llmkernels_fast": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, beta=0.5,
                                                                memory="fast"),
         "llmkernels_fast_accum_bf16": lambda a, w: lk.linear_distill_loss(a, w, t_hidden, t_weight, target, beta=0.5,

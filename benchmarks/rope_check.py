@@ -121,8 +121,9 @@ def main():
             cx = cos.expand(B, S, D)
             print("default config:", rope_ops.rope_config(B * S, HQ, HK, D))
             for cfg in CONFIGS:
-                ms = bench(lambda: rope_ops.rope_launch(qv, kv, cx, cx, None, False, D, False, qo, ko,
-                                                        config=rope_ops.RopeConfig(*cfg)))
+                ms = bench(lambda: rope_ops.rope_launch(
+                    qv, kv, cx, cx, None, rope_ops.RopeOptions(False, D, False, qv.dtype, kv.dtype, "bshd"), qo, ko,
+                    config=rope_ops.RopeConfig(*cfg)))
                 record("fwd", f"llmkernels{list(cfg)}", ms, config=list(cfg))
             del qo, ko
         for name, fn in provs.items():

@@ -103,9 +103,14 @@ class Bench:
         return self.norm.forward_config(key), self.norm.backward_config(key)
 
 
+def options_of(norm, x, b, r, is_rms):
+    """The options of an RMSNorm (Llama's casting) or LayerNorm call on these inputs."""
+    res = None if r is None else x.dtype
+    return norm.NormOptions(is_rms, is_rms, 1, 1e-6, 0.0, x.dtype, res, x.dtype, res, None if b is None else b.dtype)
+
+
 def run_fwd(norm, x, w, b, r, is_rms, config=None):
-    return norm.norm_fwd(x, w, b, r, 1, 1e-6, 0.0, is_rms, is_rms, x.dtype, None if r is None else x.dtype, True,
-                         config=config)
+    return norm.norm_fwd(x, w, b, r, options_of(norm, x, b, r, is_rms), store_stats=True, config=config)
 
 
 def time_case(bench, n, dtype, is_rms, residual, mode, records, tag, cfg=None):
@@ -120,8 +125,8 @@ def time_case(bench, n, dtype, is_rms, residual, mode, records, tag, cfg=None):
         xin = x if h is None else h
         dy = torch.randn_like(y)
         dh = torch.randn_like(h) if residual else None
-        fn = lambda: norm.norm_bwd(dy, dh, xin, w, None if b is None else b.dtype, mean, rstd, 1, 0.0, is_rms, is_rms,
-                                   x.dtype, None if r is None else x.dtype, True, config=cfg)
+        options = options_of(norm, x, b, r, is_rms)
+        fn = lambda: norm.norm_bwd(dy, dh, xin, w, mean, rstd, options, share_dres=True, config=cfg)
         units = units_bwd
     try:
         fn()

@@ -1,4 +1,5 @@
-"""Comparison helpers shared by the test modules."""
+"""Helpers shared by the test modules: comparisons, peak memory, bad-input tests."""
+import pytest
 import torch
 
 # ||out - ref|| / ||ref|| bounds per dtype of the tensor under test (outputs and gradients).
@@ -38,3 +39,15 @@ def cuda_peak_bytes(run, leaves=()) -> int:
     run()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+def bad_input_test(cases):
+    """The test that each of ``cases()``, ``(message, error, call)``, raises ``error`` matching
+    ``message`` (one case a test; ``cases`` is called at collection and again in the test, so that
+    each test makes fresh inputs)."""
+    @pytest.mark.parametrize("case", range(len(cases())))
+    def test_bad_input(case):
+        match, exc, call = cases()[case]
+        with pytest.raises(exc, match=match):
+            call()
+    return test_bad_input

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import llmkernels  # noqa: E402
 from llmkernels import hf  # noqa: E402
+from llmkernels.ops.norm import NormOptions  # noqa: E402
 
 from tests.conftest import DEVICE  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
@@ -68,14 +69,16 @@ def test_norm_custom_ops_opcheck(residual):
     x = torch.randn(m, n, device=DEVICE, requires_grad=True)
     w = torch.randn(n, device=DEVICE, requires_grad=True)
     r = torch.randn(m, n, device=DEVICE, requires_grad=True) if residual else None
-    fwd_args = (x, w, None, r, 1, 1e-6, 0.0, True, True, torch.float32, torch.float32 if residual else None)
+    options = NormOptions(is_rms=True, quantize=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=torch.float32,
+                          h_dtype=torch.float32 if residual else None, x_dtype=torch.float32,
+                          res_dtype=torch.float32 if residual else None, bias_dtype=None)
+    fwd_args = (x, w, None, r, *options)
     torch.library.opcheck(torch.ops.llmkernels.norm_fwd.default, fwd_args)
     with torch.no_grad():  # norm_bwd is not differentiable (no double backward)
         _, h, _, rstd = torch.ops.llmkernels.norm_fwd(*fwd_args)
     xin = (h if residual else x).detach()
     dy = torch.randn(m, n, device=DEVICE)
-    bwd_args = (dy, dy.clone() if residual else None, xin, w.detach(), False, None, rstd, 1, 0.0, True, True,
-                torch.float32, torch.float32 if residual else None)
+    bwd_args = (dy, dy.clone() if residual else None, xin, w.detach(), None, rstd, *options)
     torch.library.opcheck(torch.ops.llmkernels.norm_bwd.default, bwd_args)
 
 

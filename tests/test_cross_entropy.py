@@ -11,8 +11,11 @@ import torch.nn.functional as F
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.ops import cross_entropy as ce_ops
-from llmkernels.ops import linear_cross_entropy as lce_ops
+from llmkernels.ops.configs import cross_entropy as ce_configs
+from llmkernels.ops.losses import cross_entropy as ce_ops
+from llmkernels.ops.losses import linear_cross_entropy as lce_ops
+from llmkernels.ops._register import flat_fields
+from llmkernels.ops.losses.base import RowLoss, targets
 from llmkernels.ops._rowsplit import split_grid
 from tests.conftest import DEVICE
 from llmkernels.bench.runner import poisoned
@@ -122,8 +125,8 @@ def test_forward_split_over_programs(opts, device):
     """Few rows of a wide vocabulary: the forward alone splits each row over programs (partial
     statistics, then a combine pass). Narrow spans give a row 20 parts, the last one partly
     masked; the separate backward then uses the combined lse."""
-    config = with_chunk(ce_ops.DEFAULT_CONFIG, 1024)
-    assert ce_ops.split_forward_parts(20000, 3, config) == (20, 1024)
+    config = with_chunk(ce_configs.DEFAULT_CONFIG, 1024)
+    assert ce_configs.split_forward_parts(20000, 3, config) == (20, 1024)
     logits, target = make_case(3, 20000, torch.bfloat16, device, ignored=(0,))
     kwargs = dict(OPTIONS["all"], ignore_index=-100) if opts == "all" else {}
     for reduction in ("mean", "none"):
@@ -141,8 +144,8 @@ def test_inplace_rows_split_over_programs(opts, device):
     1024-column slices give 20 parts a row, the last partly masked, and the -inf columns fill
     whole parts; the interpreter runs programs one after another, so there one holds the row."""
     block = 1024 if device == "cuda" else 32768
-    config = dataclasses.replace(ce_ops.DEFAULT_CONFIG,
-                                 split_inplace=dataclasses.replace(ce_ops.DEFAULT_CONFIG.split_inplace, block_v=block))
+    config = dataclasses.replace(ce_configs.DEFAULT_CONFIG,
+                                 split_inplace=dataclasses.replace(ce_configs.DEFAULT_CONFIG.split_inplace, block_v=block))
     m, v = (37, 20000) if device == "cuda" else (5, 20000)
     assert split_grid(v, m, block, torch.device(device))[0] == -(-v // block)
     logits, target = make_case(m, v, torch.bfloat16, device, ignored=(0,))
@@ -277,9 +280,9 @@ def test_bad_arguments(device):
 
 
 def test_config_covers_every_width():
-    config = ce_ops.DEFAULT_CONFIG
+    config = ce_configs.DEFAULT_CONFIG
     for v in [1, 7, 64, 1000, 4096, 8192, 8193, 32000, 128256, 262144]:
-        block_m, block_v, num_warps, one_block = ce_ops.row_tiles(v, 4096, config.forward)
+        block_m, block_v, num_warps, one_block = ce_configs.row_tiles(v, 4096, config.forward)
         assert block_v & (block_v - 1) == 0 and block_m & (block_m - 1) == 0
         assert (block_v >= v) if one_block else (v > config.one_block_max)  # one block holds the whole row
         assert block_m * block_v <= 16384 and 4 <= num_warps <= 32
@@ -362,10 +365,10 @@ def test_linear_partial_grads_and_accumulation(device):
 
 def test_linear_chunk_rows():
     cpu = torch.device("cpu")
-    assert lce_ops.chunk_rows(16384, 128256, 2, cpu, None) == 2048
-    assert lce_ops.chunk_rows(5000, 128256, 2, cpu, None) == 1667  # 3 even chunks, not 2048 + 2048 + 904
-    assert lce_ops.chunk_rows(100, 1000, 2, cpu, None) == 100
-    assert lce_ops.chunk_rows(100, 1000, 2, cpu, 7) == 7
+    assert lce_ops.rows_per_chunk(16384, 128256, 2, cpu, None) == 2048
+    assert lce_ops.rows_per_chunk(5000, 128256, 2, cpu, None) == 1667  # 3 even chunks, not 2048 + 2048 + 904
+    assert lce_ops.rows_per_chunk(100, 1000, 2, cpu, None) == 100
+    assert lce_ops.rows_per_chunk(100, 1000, 2, cpu, 7) == 7
 
 
 def test_linear_bad_arguments(device):
@@ -473,12 +476,16 @@ def test_compile_fullgraph(reduction, device, fresh_dynamo):
 
 def test_opcheck(device):
     logits, target = make_case(5, 300, torch.float32, device)
-    torch.library.opcheck(ce_ops.CE.op, (logits.requires_grad_(), target, -100, "mean", 0.1, 1e-3, None, True,
-                                               True))
+    options = ce_ops.CrossEntropyOptions(RowLoss(ignore_index=-100, smoothing=0.1, z_coef=1e-3, softcap=None),
+                                         reduction="mean", want_z=True, check=True)
+    torch.library.opcheck(ce_ops.CE.op, (logits.requires_grad_(), target, *flat_fields(options)))
     h = torch.randn(6, 8, device=device, requires_grad=True)
     w = torch.randn(20, 8, device=device, requires_grad=True)
-    torch.library.opcheck(lce_ops.LCE.op, (h, w, torch.randint(0, 20, (6,), device=device), None, -100, "sum",
-                                                0.0, 0.0, 3.0, False, True, 4, torch.float32, [True, True, False]))
+    options = lce_ops.LinearCrossEntropyOptions(RowLoss(ignore_index=-100, smoothing=0.0, z_coef=0.0, softcap=3.0),
+                                                reduction="sum", want_z=False, check=True, chunk_size=4,
+                                                accum_dtype=torch.float32, need=[True, True, False], memory="fast")
+    torch.library.opcheck(lce_ops.LCE.op, (h, w, torch.randint(0, 20, (6,), device=device), None,
+                                           *flat_fields(options)))
 
 
 
@@ -487,8 +494,8 @@ def test_target_check_falls_back_to_a_device_word(monkeypatch):
     memory (ValueError), it writes a device word copied back instead, from then on. (On CPU the
     words are plain tensors and the kernel a fake writing row 3 as the first bad one.)"""
     host = torch.zeros(1, dtype=torch.int64)
-    monkeypatch.setattr(ce_ops._FLAG, "word", lambda pinned: host)
-    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
+    monkeypatch.setattr(targets._FLAG, "word", lambda pinned: host)
+    monkeypatch.setattr(targets, "MAPPED_FLAG", True)
     seen = []
 
     def check(grid, target, word, m, v, ignore_index):
@@ -499,7 +506,7 @@ def test_target_check_falls_back_to_a_device_word(monkeypatch):
 
     target = torch.tensor([1, 2, 3, 99])
     for _ in range(2):
-        assert ce_ops._check_to_host(check, target, 10, -100).item() == 4
-    assert seen == [True, False, False] and not ce_ops.MAPPED_FLAG
-    monkeypatch.setattr(ce_ops, "MAPPED_FLAG", True)
-    assert ce_ops._check_to_host(check, target, 10, -100) is host
+        assert targets._check_to_host(check, target, 10, -100).item() == 4
+    assert seen == [True, False, False] and not targets.MAPPED_FLAG
+    monkeypatch.setattr(targets, "MAPPED_FLAG", True)
+    assert targets._check_to_host(check, target, 10, -100) is host

@@ -8,7 +8,7 @@ import torch
 import llmkernels as lk
 from llmkernels import reference
 from llmkernels.bench.runner import poisoned
-from llmkernels.ops import distill as distill_ops
+from llmkernels.ops.losses import distill as distill_ops
 from tests.conftest import DEVICE
 from tests.helpers import assert_close, cuda_peak_bytes
 
@@ -53,7 +53,7 @@ def check_distill(student, teacher, target, *, needs=(True, True), tol_scale=1.0
 
 
 KINDS = ["jsd", "forward_kl", "reverse_kl"]
-# every kind and reduction with the default memory="low"; memory="fast" once per kind
+# every kind and reduction with memory="low"; the default memory="fast" once per kind
 CASES = [(k, r, "low") for k in KINDS for r in ("mean", "sum", "none")] + list(zip(KINDS, ("none", "mean", "sum"),
                                                                                    ["fast"] * 3))
 
@@ -102,8 +102,8 @@ def test_low_memory_peak():
     m, h, v, chunk = 256, 64, 50000, 16
     (hs, ws), teacher, target = make_pair(m, h, h, v, torch.bfloat16, "cuda")
     hs, ws = hs.requires_grad_(), ws.requires_grad_()
-    peak = cuda_peak_bytes(lambda: lk.linear_distill_loss(hs, ws, *teacher, target, chunk_size=chunk).backward(),
-                           (hs, ws))
+    peak = cuda_peak_bytes(lambda: lk.linear_distill_loss(hs, ws, *teacher, target, chunk_size=chunk,
+                                                          memory="low").backward(), (hs, ws))
     grads, blocks = (m + v) * h * 2, 2 * m * 3200 * 2  # vocabulary chunks: 16 * 50000 / 256 columns, aligned
     assert blocks + 2**20 < v * h * 4  # an fp32 accumulator would exceed the bound
     assert peak <= grads + blocks + 2**20, f"peak {peak} B"
@@ -171,5 +171,7 @@ def test_compile_fullgraph(reduction, device):
 def test_opcheck(device):
     student, teacher, target = make_pair(5, 8, 8, 40, torch.float32, device)
     h, w = (t.requires_grad_() for t in student)
-    torch.library.opcheck(distill_ops.DISTILL.op, (h, w, *teacher, target, "jsd", 0.5, 1.0, -100, "none", 2,
-                                                   torch.float32, [True, True], "low"))
+    options = distill_ops.DistillOptions(kind="jsd", beta=0.5, temperature=1.0, ignore_index=-100, reduction="none",
+                                         check=True, chunk_size=2, accum_dtype=torch.float32, need=[True, True],
+                                         memory="low")
+    torch.library.opcheck(distill_ops.DISTILL.op, (h, w, *teacher, target, *options))

@@ -13,7 +13,7 @@ from llmkernels.ops.configs import glu as glu_configs
 
 from tests.conftest import DEVICE, INTERPRETED
 from llmkernels.bench.runner import poisoned
-from tests.helpers import assert_close
+from tests.helpers import assert_close, bad_input_test
 
 F64 = torch.float64
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -87,8 +87,8 @@ def test_launchers_take_a_config():
     g64, u64 = gate.to(F64).requires_grad_(), up.to(F64).requires_grad_()
     y64 = reference.glu(g64, u64, "silu", compute_dtype=F64)
     d_gate64, d_up64 = torch.autograd.grad(y64, (g64, u64), dy.to(F64))
-    assert_close(glu_ops._glu_fwd(gate, up, "silu", config=config), y64, torch.float32, "y")
-    d_gate, d_up = glu_ops._glu_bwd(dy, gate, up, "silu", config=config)
+    assert_close(glu_ops.glu_fwd(gate, up, glu_ops.GluOptions("silu"), config=config), y64, torch.float32, "y")
+    d_gate, d_up = glu_ops.glu_bwd(dy, gate, up, glu_ops.GluOptions("silu"), config=config)
     assert_close(d_gate, d_gate64, torch.float32, "d_gate")
     assert_close(d_up, d_up64, torch.float32, "d_up")
 
@@ -280,11 +280,7 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_cases())))
-def test_bad_input(case):
-    match, exc, call = _bad_cases()[case]
-    with pytest.raises(exc, match=match):
-        call()
+test_bad_input = bad_input_test(_bad_cases)
 
 
 def test_wrong_device():

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import types
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -194,14 +195,18 @@ def test_plans_are_made_once_per_key_and_bounded():
 
 
 class _Scale:
-    """An eager-only Op (no custom op): y = 2 x, its backward 2 dy."""
+    """An eager-only Op (no custom op): y = factor x, its backward factor dy (factor 2)."""
+
+    class Options(NamedTuple):
+        factor: float
 
     @staticmethod
     def op(once_differentiable=False):
         return _register.Op(
-            "test_scale", forward=lambda x, bias: 2 * x + (0 if bias is None else bias),
-            setup=lambda ctx, inputs, output: None, backward=lambda ctx, bwd, dy: (2 * dy,),
-            grad_inputs=(0,), base=lambda x, bias: 2 * x, once_differentiable=once_differentiable)
+            "test_scale", forward=lambda x, bias, options: options.factor * x + (0 if bias is None else bias),
+            setup=lambda ctx, tensors, options, output: None, backward=lambda ctx, bwd, dy: (2 * dy,),
+            grad_inputs=(0,), base=lambda x, bias, options: options.factor * x,
+            once_differentiable=once_differentiable)
 
 
 def test_autograd_goes_straight_to_the_cpp_apply(monkeypatch):
@@ -215,7 +220,7 @@ def test_autograd_goes_straight_to_the_cpp_apply(monkeypatch):
     x = torch.randn(5, requires_grad=True)
     for active in (False, True):
         monkeypatch.setattr(_register, "_functorch_active", lambda: active)
-        y = op(x, None)
+        y = op(x, None, _Scale.Options(2.0))
         assert y.grad_fn.name() == "TestScaleBackward"
         (dx,) = torch.autograd.grad(y, x, torch.ones(5))
         assert torch.equal(dx, torch.full((5,), 2.0))
@@ -229,10 +234,10 @@ def test_once_differentiable_backward_refuses_a_second_differentiation():
     the backward is recorded; then its outputs refuse a second differentiation, as before."""
     op = _Scale.op(once_differentiable=True)
     x = torch.randn(4, requires_grad=True)
-    (dx,) = torch.autograd.grad(op(x, None).sum(), x)
+    (dx,) = torch.autograd.grad(op(x, None, _Scale.Options(2.0)).sum(), x)
     assert torch.equal(dx, torch.full((4,), 2.0)) and dx.grad_fn is None
     g = torch.ones(4, requires_grad=True)
-    (dx,) = torch.autograd.grad(op(x, None), x, g, create_graph=True)
+    (dx,) = torch.autograd.grad(op(x, None, _Scale.Options(2.0)), x, g, create_graph=True)
     assert dx.requires_grad
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dx.sum().backward()

@@ -8,7 +8,7 @@ import torch
 import llmkernels as lk
 from llmkernels import reference
 from llmkernels.bench.runner import poisoned
-from llmkernels.ops import log_probs as lp_ops
+from llmkernels.ops.losses import log_probs as lp_ops
 from tests.conftest import DEVICE
 from tests.helpers import assert_close
 
@@ -167,4 +167,6 @@ def test_compile_fullgraph(device):
 def test_opcheck(device):
     hidden, weight, b, target = make_head(5, 8, 40, torch.float32, device)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    torch.library.opcheck(lp_ops.LOG_PROBS.op, (h, w, target, b, 0.9, True, -100, True, 2, 16))
+    options = lp_ops.LogProbsOptions(temperature=0.9, want_entropy=True, ignore_index=-100, check=True, chunk_size=2,
+                                     vocab_chunk_size=16, need=[True, True, b is not None])
+    torch.library.opcheck(lp_ops.LOG_PROBS.op, (h, w, target, b, *options))

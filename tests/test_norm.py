@@ -15,8 +15,8 @@ import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import _launch, _rowsplit
 from llmkernels.ops.norm import (BACKWARD, BWD_PLANS, FORWARD, FWD_PLANS, BwdConfig, FwdConfig, NormConfig, NormKey,
-                                 SplitBwdConfig, SplitFwdConfig, backward_config, check_config, forward_config,
-                                 norm_fwd)
+                                 NormOptions, SplitBwdConfig, SplitFwdConfig, backward_config, check_config,
+                                 forward_config, norm_fwd)
 from llmkernels.ops.norm.tables import (BWD_ONE_PASS_MAX, DECODE_PROGRAMS, FWD_ONE_PASS_MAX, WARP, below_power_of_two,
                                         five_eighths, fp16)
 from tests.conftest import INTERPRETED
@@ -762,7 +762,9 @@ def test_config_argument_is_checked(device):
         with pytest.raises(error, match=message):
             lk.rms_norm(_leaf(x), w, config=config)
     with pytest.raises(TypeError, match="config must be a FwdConfig or SplitFwdConfig"):
-        norm_fwd(x, w, None, None, 1, 1e-6, 0.0, True, True, x.dtype, None, False, config=NormConfig())
+        options = NormOptions(is_rms=True, quantize=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=x.dtype,
+                              h_dtype=None, x_dtype=x.dtype, res_dtype=None, bias_dtype=None)
+        norm_fwd(x, w, None, None, options, store_stats=False, config=NormConfig())
 
 
 def test_cpu_without_interpreter_uses_reference():
@@ -813,4 +815,5 @@ def test_launch_plans_are_made_once_per_key(device):
     check_norm(True, x, w, config=NormConfig(FwdConfig(2, 128, 4), BwdConfig(1, 128, 4)))
     for plans in (FWD_PLANS, BWD_PLANS):
         assert len(plans) == 5
-        assert {key[:3] for key in plans} == {(3, 100, torch.float32), (3, 100, torch.bfloat16), (3, 64, torch.float32)}
+        assert {(key.m, key.n, key.options.x_dtype) for key in plans} == {
+            (3, 100, torch.float32), (3, 100, torch.bfloat16), (3, 64, torch.float32)}

@@ -9,7 +9,7 @@ from llmkernels.ops import rope as rope_ops
 
 from tests.conftest import DEVICE, INTERPRETED
 from llmkernels.bench.runner import poisoned
-from tests.helpers import assert_close, rel_err
+from tests.helpers import assert_close, bad_input_test, rel_err
 
 F64 = torch.float64
 
@@ -308,8 +308,9 @@ def test_rope_custom_op_opcheck_on_strided_halves():
     cos, sin = rope_tables(s, d)
     fused = torch.randn(b, h, s, 2 * d, device=DEVICE)
     q, k = fused[..., :d], fused[..., d:]
-    torch.library.opcheck(rope_ops.ROPE.op,
-                          (q, k, cos[None], sin[None], None, False, d, False, q.dtype, k.dtype, "bhsd"))
+    options = rope_ops.RopeOptions(interleaved=False, rotary_dim=d, backward=False, q_dtype=q.dtype, k_dtype=k.dtype,
+                                   layout="bhsd")
+    torch.library.opcheck(rope_ops.ROPE.op, (q, k, cos[None], sin[None], None, *options))
 
 
 def _bad_cases():
@@ -349,11 +350,7 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_cases())))
-def test_bad_input(case):
-    match, exc, call = _bad_cases()[case]
-    with pytest.raises(exc, match=match):
-        call()
+test_bad_input = bad_input_test(_bad_cases)
 
 
 def test_wrong_device():

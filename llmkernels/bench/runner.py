@@ -162,7 +162,7 @@ def graph_latency_ms(make_timed) -> float:
     return statistics.median(times)
 
 
-def _graph_bench_ms(make_timed) -> float:
+def graph_bench_ms(make_timed) -> float:
     """``do_bench`` median of one call of ``make_timed()`` replayed from a CUDA graph (L2 flushed
     before each replay): the call's GPU time. Timed as plain calls, a bandwidth case's time also
     held whatever time the host took beyond the GPU's (Python, autograd, launches), which varied
@@ -449,7 +449,7 @@ class Runner:
         key = (case.op.name, record["provider"])
         if key not in self.uncapturable:
             try:
-                ms = _graph_bench_ms(lambda: case.timed(fn, mode, mutates))
+                ms = graph_bench_ms(lambda: case.timed(fn, mode, mutates))
                 record["timing"] = "cuda_graph"
                 return ms
             except Exception as exc:

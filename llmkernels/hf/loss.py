@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.losses.linear_cross_entropy import linear_cross_entropy
 from .families import Family
 from .marks import mark
 

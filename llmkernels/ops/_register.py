@@ -1,31 +1,40 @@
 """One description of an op, registered for eager calls and for torch.compile.
 
 An op family describes each differentiable op once, as an :class:`Op`: its forward launcher,
-what the backward needs (``setup``), the backward itself, the fake (meta) functions of its
-outputs and the schemas of its custom ops. From that one description the Op builds
+what the backward needs (``setup``), the backward itself and the fake (meta) functions of its
+outputs. From that one description the Op builds
 
   - the eager path: a ``torch.autograd.Function`` whose forward runs the launcher and
     ``setup`` and whose backward runs ``backward`` with the backward launcher;
   - the torch.compile path: the custom ops ``llmkernels::<name>_fwd`` and ``<name>_bwd`` with
     their fake kernels, and ``register_autograd`` with ``setup`` and ``backward`` calling the
     backward op (an op that is its own derivative has one custom op, ``llmkernels::<name>``);
-  - the dispatch, ``op(*args)``: the custom op under torch.compile; the Function when an input
-    of ``grad_inputs`` needs a gradient; otherwise the launcher alone, with no autograd node.
+  - the dispatch, ``op(*tensors, options)``: the custom op under torch.compile; the Function
+    when an input of ``grad_inputs`` needs a gradient; otherwise the launcher alone, with no
+    autograd node.
 
 Conventions the descriptions follow:
+  - A launcher takes its tensors, then one ``options`` record (a ``typing.NamedTuple`` of the
+    op's options: the one place they are named), then keyword-only eager options. The custom
+    op's schema is read from the launcher's annotations: its tensors (``Optional[Tensor]``: may
+    be None), the record's fields flattened after them (custom ops take only flat scalars), and
+    its outputs (``-> tuple[Tensor, ...]``). The custom op rebuilds the record from the fields,
+    so launchers, fakes, ``setup`` and ``backward`` only ever see the record.
   - Launchers return a tensor or a tuple of outputs, None for an output that is absent (a
     residual sum without a residual). A custom op may neither return None nor outputs that
     alias each other, so it returns a distinct empty placeholder there: ``setup`` and
     ``backward`` tell what is absent from the inputs, never from the outputs.
-  - Positional arguments are the custom op's. Keyword arguments of a call are eager-only
-    options of the launchers (a launch configuration for tests and tuning; what the eager
-    backward may do that a custom op may not): ``forward``, ``infer`` and ``setup`` receive them,
-    and ``backward`` may pass them on to its launcher; under torch.compile they are dropped.
+  - Keyword arguments of a call are eager-only options of the launchers (a launch configuration
+    for tests and tuning; what the eager backward may do that a custom op may not): ``forward``,
+    ``infer`` and ``setup`` receive them, and ``backward`` may pass them on to its launcher;
+    under torch.compile they are dropped.
 """
 from __future__ import annotations
 
+import inspect
 import types
-from typing import Callable, Optional, Sequence
+import typing
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -58,28 +67,110 @@ def _with_placeholders(outputs, like: torch.Tensor):
     return tuple(_placeholder(like) if t is None else t for t in outputs)
 
 
-def _custom_op(name: str, schema: str, launcher: Callable, fake: Callable, mutates: Sequence[str]):
+# --------------------------------------------------------------------------------------------
+# the schema, read from a launcher's annotations and its options record
+# --------------------------------------------------------------------------------------------
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", bool: "bool", int: "SymInt", float: "float", str: "str",
+                 torch.dtype: "ScalarType"}
+
+
+def _schema_type(hint) -> str:
+    """The schema type of an annotation: ``Optional[X]`` is ``X?``, ``tuple[X, ...]`` is ``X[]``."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return _schema_type(inner) + "?"
+    if typing.get_origin(hint) is tuple:
+        return _SCHEMA_TYPES[args[0]] + "[]"
+    return _SCHEMA_TYPES[hint]
+
+
+def _is_record(hint) -> bool:
+    return isinstance(hint, type) and issubclass(hint, tuple) and hasattr(hint, "_fields")
+
+
+def _record_fields(record: type, prefix: str = "") -> list:
+    """``(schema type, name)`` of a record's fields in order, a nested record's flattened in its
+    place (its fields' names prefixed with its own)."""
+    hints = typing.get_type_hints(record)
+    fields = []
+    for name in record._fields:
+        if _is_record(hints[name]):
+            fields += _record_fields(hints[name], f"{prefix}{name}_")
+        else:
+            fields.append((_schema_type(hints[name]), prefix + name))
+    return fields
+
+
+def _builder(record: type) -> Callable:
+    """``build(values)``: the record of an iterator over its flat fields' values (a list, as a
+    custom op receives a ``X[]``, rebuilt as the tuple the record holds)."""
+    hints = typing.get_type_hints(record)
+    parts = [_builder(hints[name]) if _is_record(hints[name])
+             else (lambda values: tuple(next(values))) if typing.get_origin(hints[name]) is tuple
+             else next for name in record._fields]
+    return lambda values: record(*[part(values) for part in parts])
+
+
+def flat_fields(options: tuple) -> tuple:
+    """A record's values in the order of ``_record_fields``: the custom op's arguments after the
+    tensors (tests pass them to ``torch.library.opcheck``)."""
+    return tuple(v for value in options for v in (flat_fields(value) if _is_record(type(value)) else (value,)))
+
+
+class Signature(NamedTuple):
+    """A launcher's custom-op signature: ``tensors`` (the names of its tensor arguments),
+    ``schema``, and ``build`` (its options record from the flat fields that follow them)."""
+
+    tensors: tuple
+    schema: str
+    build: Callable
+
+    @classmethod
+    def of(cls, launcher: Callable, mutates: tuple = ()) -> "Signature":
+        hints = typing.get_type_hints(launcher)
+        *tensors, record = [name for name, p in inspect.signature(launcher).parameters.items()
+                            if p.kind is p.POSITIONAL_OR_KEYWORD]
+        args = [_schema_type(hints[name]).replace("Tensor", f"Tensor(a{mutates.index(name)}!)" if name in mutates
+                                                  else "Tensor") + " " + name for name in tensors]
+        args += [f"{kind} {name}" for kind, name in _record_fields(hints[record])]
+        returns = hints.get("return", type(None))
+        if returns is type(None):
+            outputs = "()"
+        elif typing.get_origin(returns) is tuple:
+            outputs = "(" + ", ".join("Tensor" for _ in typing.get_args(returns)) + ")"
+        else:
+            outputs = "Tensor"
+        return cls(tuple(tensors), f"({', '.join(args)}) -> {outputs}", _builder(hints[record]))
+
+    def split(self, flat: tuple) -> tuple:
+        """``(tensors, options)`` of a custom op's flat arguments."""
+        n = len(self.tensors)
+        return flat[:n], self.build(iter(flat[n:]))
+
+
+def _custom_op(name: str, launcher: Callable, fake: Callable, mutates: tuple):
     """``llmkernels::<name>`` running ``launcher`` (absent outputs as placeholders), with ``fake``
-    as its fake kernel; both take the op's arguments positionally."""
-    def run(*args):
-        return _with_placeholders(launcher(*args), args[0])
+    as its fake kernel, and its :class:`Signature`."""
+    signature = Signature.of(launcher, mutates)
 
-    def run_fake(*args):
-        return _with_placeholders(fake(*args), args[0])
+    def run(*flat):
+        tensors, options = signature.split(flat)
+        return _with_placeholders(launcher(*tensors, options), flat[0])
 
-    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run, mutates_args=tuple(mutates), schema=schema)
+    def run_fake(*flat):
+        tensors, options = signature.split(flat)
+        return _with_placeholders(fake(*tensors, options), flat[0])
+
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run, mutates_args=mutates, schema=signature.schema)
     op.register_fake(run_fake)
-    return op
+    return op, signature
 
 
-def _dropping_options(op):
-    """``op`` called as a launcher is: keyword arguments (eager-only options) are dropped."""
-    return lambda *args, **options: op(*args)
-
-
-def _argument_names(schema: str) -> list[str]:
-    """The argument names of a schema ``"(Tensor(a0!) q, Tensor? k, ...) -> ..."``."""
-    return [arg.split()[-1].split("=")[0] for arg in schema[1:schema.rindex(") ->")].split(",")]
+def _flattening(op):
+    """``op`` called as a launcher is, ``op(*tensors, options, **eager)``: the record's fields
+    flattened after the tensors, the eager-only options dropped."""
+    return lambda *args, **eager: op(*args[:-1], *flat_fields(args[-1]))
 
 
 def _input_grads(positions: tuple, n_inputs: int, grads) -> tuple:
@@ -91,23 +182,24 @@ def _input_grads(positions: tuple, n_inputs: int, grads) -> tuple:
 
 
 class Op:
-    """A differentiable op described once, callable as ``op(*args, **options)`` (see the module
-    notes). The description:
+    """A differentiable op described once, callable as ``op(*tensors, options, **eager)`` (see
+    the module notes). The description:
 
     Args:
         name: the custom ops' name (``llmkernels::<name>_fwd`` ...), and the autograd node's.
-        forward: the forward launcher, ``forward(*args, **options) -> outputs``.
-        setup: ``setup(ctx, inputs, outputs, **options)``: saves what the backward needs
+        forward: the forward launcher, ``forward(*tensors, options, **eager) -> outputs``; its
+            annotations give the custom op's schema.
+        setup: ``setup(ctx, tensors, options, outputs, **eager)``: saves what the backward needs
             (``ctx.save_for_backward`` and attributes), on both paths.
-        backward: ``backward(ctx, bwd, *grad_outputs) -> gradients`` of the inputs at
+        backward: ``backward(ctx, bwd, *grad_outputs) -> gradients`` of the tensors at
             ``grad_inputs``, in order; ``bwd`` is ``backward_launcher`` (eager) or its custom op
-            (compiled), or for an op without one this op itself (its own derivative).
-        grad_inputs: positions of the inputs whose ``requires_grad`` makes a call record an
+            (compiled), called as a launcher, or for an op without one this op itself (its own
+            derivative).
+        grad_inputs: positions of the tensors whose ``requires_grad`` makes a call record an
             autograd node (the backward returns their gradients, None where there is none).
-        schema, fake: the forward custom op's schema and fake function (``fake(*args)``, outputs
-            as the launcher returns them). Without a schema the Op is an eager-only variant of
-            ``base``.
-        backward_launcher, backward_schema, backward_fake: the same for the backward.
+        fake: the forward's fake function (``fake(*tensors, options)``, outputs as the launcher
+            returns them).
+        backward_launcher, backward_fake: the same for the backward.
         infer: the launcher of a call that needs no gradient (default ``forward``).
         returns: how many of the outputs the caller gets (the rest exist for ``setup``);
             default all.
@@ -115,16 +207,15 @@ class Op:
         once: set when the eager backward consumes what the forward saved (scales a gradient
             in place): the error message of a second backward through the same call.
         once_differentiable: the eager backward is not differentiable (no double backward).
-        mutates: names of the arguments the op writes in place (registered without autograd:
+        mutates: names of the tensors the op writes in place (registered without autograd:
             under torch.compile a call that needs a gradient takes an out-of-place op); the
             eager Function marks them dirty and returns them.
-        base: for an eager-only variant (no schema), the op (or function with the same
-            arguments) that a call needing no gradient, or under torch.compile, goes to.
+        base: makes this an eager-only variant (no custom op): the op (or function with the
+            same arguments) that a call needing no gradient, or under torch.compile, goes to.
     """
 
-    def __init__(self, name: str, *, forward: Callable, setup: Callable, backward: Callable,
-                 grad_inputs: tuple, schema: Optional[str] = None, fake: Optional[Callable] = None,
-                 backward_launcher: Optional[Callable] = None, backward_schema: Optional[str] = None,
+    def __init__(self, name: str, *, forward: Callable, setup: Callable, backward: Callable, grad_inputs: tuple,
+                 fake: Optional[Callable] = None, backward_launcher: Optional[Callable] = None,
                  backward_fake: Optional[Callable] = None, infer: Optional[Callable] = None,
                  returns: Optional[int] = None, non_differentiable: tuple = (), once: Optional[str] = None,
                  once_differentiable: bool = False, mutates: tuple = (), base: Optional[Callable] = None):
@@ -133,67 +224,66 @@ class Op:
         self.backward_launcher = backward_launcher
         self.returns, self.non_differentiable, self.once = returns, non_differentiable, once
         self.base = base
-        # positions of the mutated arguments, from the schema's names
-        self._mutated = tuple(_argument_names(schema).index(m) for m in mutates)
+        self.op = self.backward_op = self.signature = None
+        self._mutated = ()
+        if base is None:
+            suffix = "" if backward_launcher is None else "_fwd"
+            self.op, self.signature = _custom_op(name + suffix, forward, fake, mutates)
+            # positions of the mutated tensors, from the signature's names
+            self._mutated = tuple(self.signature.tensors.index(m) for m in mutates)
         self.function = self._autograd_function(name, once_differentiable)
         self._c_apply = _c_apply(self.function)
-        self.op = self.backward_op = None
-        if schema is None:
-            return
-        suffix = "" if backward_launcher is None else "_fwd"
-        self.op = _custom_op(name + suffix, schema, forward, fake, mutates)
-        if mutates:
+        if base is not None or mutates:
             return
         if backward_launcher is not None:
-            self.backward_op = _dropping_options(
-                _custom_op(name + "_bwd", backward_schema, backward_launcher, backward_fake, ()))
+            self.backward_op = _flattening(_custom_op(name + "_bwd", backward_launcher, backward_fake, ())[0])
         self.op.register_autograd(self._compiled_backward, setup_context=self._compiled_setup)
 
     # ---------------------------------------------------------------------------------------
     # dispatch
     # ---------------------------------------------------------------------------------------
-    def needs_grad(self, args) -> bool:
-        """Whether a call on ``args`` records an autograd node."""
+    def needs_grad(self, tensors) -> bool:
+        """Whether a call on ``tensors`` records an autograd node."""
         if not torch.is_grad_enabled():
             return False
         for i in self.grad_inputs:
-            t = args[i]
+            t = tensors[i]
             if t is not None and t.requires_grad:
                 return True
         return False
 
-    def __call__(self, *args, **options):
+    def __call__(self, *args, **eager):
         if torch.compiler.is_compiling():
             if self.op is None:
-                return self.base(*args, **options)
-            outputs = self.op(*args)
+                return self.base(*args, **eager)
+            outputs = self.op(*args[:-1], *flat_fields(args[-1]))
             return outputs if self.returns is None else outputs[:self.returns]
         if torch.is_grad_enabled():
             for i in self.grad_inputs:  # (``needs_grad`` inline: every eager call takes this path)
                 t = args[i]
                 if t is not None and t.requires_grad:
-                    return self._apply(*args, options)
+                    return self._apply(*args, eager)
         if self.op is None:
-            return self.base(*args, **options)
-        outputs = self.infer(*args, **options)
+            return self.base(*args, **eager)
+        outputs = self.infer(*args, **eager)
         return outputs if self.returns is None else outputs[:self.returns]
 
-    def _apply(self, *args_and_options):
+    def _apply(self, *args_and_eager):
         """``self.function.apply``: straight into autograd's C++ apply where nothing of the
         Python ``Function.apply`` applies (no functorch transform is active; the Function defines
         no ``setup_context``), else through it."""
         if self._c_apply is not None and not _functorch_active():
-            return self._c_apply(*args_and_options)
-        return self.function.apply(*args_and_options)
+            return self._c_apply(*args_and_eager)
+        return self.function.apply(*args_and_eager)
 
     # ---------------------------------------------------------------------------------------
     # the two backward paths
     # ---------------------------------------------------------------------------------------
     def _compiled_setup(self, ctx, inputs, output):
-        self.setup(ctx, inputs, output)
+        self.setup(ctx, *self.signature.split(inputs), output)
 
     def _compiled_backward(self, ctx, *grad_outputs):
-        bwd = self.backward_op if self.backward_op is not None else self.op
+        bwd = self.backward_op if self.backward_op is not None else _flattening(self.op)
         return _input_grads(self.grad_inputs, len(ctx.needs_input_grad), self.backward(ctx, bwd, *grad_outputs))
 
     def _autograd_function(self, name: str, once_differentiable: bool):
@@ -203,19 +293,19 @@ class Op:
         mutated, non_differentiable, returns, grad_inputs = (self._mutated, self.non_differentiable, self.returns,
                                                              self.grad_inputs)
         bwd = self.backward_launcher if self.backward_launcher is not None else self
-        # The gradients of the first inputs, then None for the others and the options.
+        # The gradients of the first inputs, then None for the others, the options and the eager options.
         leading = grad_inputs == tuple(range(len(grad_inputs)))
 
-        def forward(ctx, *args_and_options):
-            # The options come last, so that ``ctx.needs_input_grad[i]`` is the i-th input's on
+        def forward(ctx, *args_and_eager):
+            # The options come last, so that ``ctx.needs_input_grad[i]`` is the i-th tensor's on
             # both paths.
-            args, options = args_and_options[:-1], args_and_options[-1]
-            outputs = launch(*args, **options)
-            setup(ctx, args, outputs, **options)
+            tensors, options, eager = args_and_eager[:-2], args_and_eager[-2], args_and_eager[-1]
+            outputs = launch(*tensors, options, **eager)
+            setup(ctx, tensors, options, outputs, **eager)
             if once is not None:
                 ctx.consumed = False
             if mutated:
-                dirty = [args[i] for i in mutated if args[i] is not None]
+                dirty = [tensors[i] for i in mutated if tensors[i] is not None]
                 ctx.mark_dirty(*dirty)
                 return dirty[0] if len(dirty) == 1 else tuple(dirty)
             if non_differentiable:
@@ -230,7 +320,7 @@ class Op:
             grads = backward(ctx, bwd, *grad_outputs)
             if leading:
                 return (*grads, *(None,) * (len(ctx.needs_input_grad) - len(grads)))
-            return _input_grads(grad_inputs, len(ctx.needs_input_grad) - 1, grads) + (None,)
+            return _input_grads(grad_inputs, len(ctx.needs_input_grad), grads)
 
         backward_ = gradients
         if once_differentiable:

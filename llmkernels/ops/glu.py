@@ -31,7 +31,7 @@ about ``GluTiles.tile_elements`` elements on a 1-D grid, column tiles fastest (`
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -111,17 +111,35 @@ def _glu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u,
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
-def _plan(kernel, m: int, n: int, activation: str, config: Optional[GluConfig], **flags):
+class GluOptions(NamedTuple):
+    """The options of a GLU call, named once: the custom ops' schemas and the plan keys are made
+    of these fields."""
+
+    activation: str  # one of ACTIVATIONS
+
+
+class GluKey(NamedTuple):
+    """What decides a GLU launch: ``[m, n]``, the options, whether the backward also writes the
+    forward's product, and a configuration given instead of ``glu_config``'s."""
+
+    m: int
+    n: int
+    options: GluOptions
+    store_y: bool
+    config: Optional[GluConfig]
+
+
+def _plan(kernel, key: GluKey, **flags):
     """(the Launcher, the grid) of ``kernel`` over ``[m, n]`` in ``config`` (default ``glu_config``'s)."""
-    config = config or glu_config(m, n)
-    handle = launcher(kernel, ACTIVATION=activation, **flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                      num_warps=config.num_warps)
+    m, n = key.m, key.n
+    config = key.config or glu_config(m, n)
+    handle = launcher(kernel, ACTIVATION=key.options.activation, **flags, BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, num_warps=config.num_warps)
     return handle, (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
 
 
-_FWD = Plans(lambda m, n, activation, config: _plan(_glu_fwd_kernel, m, n, activation, config))
-_BWD = Plans(lambda m, n, activation, store_y, config: _plan(_glu_bwd_kernel, m, n, activation, config,
-                                                             STORE_Y=store_y))
+_FWD = Plans(lambda key: _plan(_glu_fwd_kernel, key))
+_BWD = Plans(lambda key: _plan(_glu_bwd_kernel, key, STORE_Y=key.store_y))
 
 
 def _rows(t: torch.Tensor, n: int) -> tuple:
@@ -130,7 +148,8 @@ def _rows(t: torch.Tensor, n: int) -> tuple:
     return (t.shape[0], t.stride(0)) if t.dim() == 2 else (t.numel() // n if n else 0, n)
 
 
-def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, config: Optional[GluConfig] = None) -> torch.Tensor:
+def glu_fwd(gate: torch.Tensor, up: torch.Tensor, options: GluOptions, *,
+            config: Optional[GluConfig] = None) -> torch.Tensor:
     """``q(act(gate)) * up`` of ``gate, up [M, N]`` (row strides allowed; or both contiguous
     ``[..., N]``) as a new contiguous tensor of gate's shape and dtype. ``config``: the launch
     configuration (tests and tuning)."""
@@ -138,24 +157,24 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, config: Opti
     m, stride_g = _rows(gate, n)
     y = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if m and n:
-        handle, grid = _FWD[m, n, activation, config]
+        handle, grid = _FWD[GluKey(m, n, options, False, config)]
         handle(grid, gate, up, y, m, n, stride_g, _rows(up, n)[1])
     return y
 
 
-def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_y: bool = False,
-             config: Optional[GluConfig] = None):
+def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, options: GluOptions, *, store_y: bool = False,
+            config: Optional[GluConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_gate, d_up)``, new contiguous tensors of gate's shape and dtype, from ``dy`` (any
-    strides) and ``gate, up`` as ``_glu_fwd`` takes them. ``store_y``: ``dy`` (then a ``[M, N]``
+    strides) and ``gate, up`` as ``glu_fwd`` takes them. ``store_y``: ``dy`` (then a ``[M, N]``
     buffer the caller owns) is overwritten with the forward's ``y``, recomputed. ``config``: as
-    ``_glu_fwd``'s."""
+    ``glu_fwd``'s."""
     n = gate.shape[-1]
     m, stride_g = _rows(gate, n)
     dy = as_rows(dy, n)  # the upstream gradient may come with any strides
     d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
     d_up = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if m and n:
-        handle, grid = _BWD[m, n, activation, store_y, config]
+        handle, grid = _BWD[GluKey(m, n, options, store_y, config)]
         handle(grid, dy, gate, up, d_gate, d_up, m, n, dy.stride(0), stride_g, _rows(up, n)[1])
     return d_gate, d_up
 
@@ -164,39 +183,36 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
 # registration: eager autograd and torch.compile custom ops (llmkernels::glu_fwd / glu_bwd).
 # Only gate and up are saved; the backward recomputes the activation.
 # --------------------------------------------------------------------------------------------
-def _glu_setup(ctx, inputs, output):
-    gate, up, activation = inputs
-    ctx.save_for_backward(gate, up)
-    ctx.activation = activation
+def _glu_setup(ctx, inputs, options: GluOptions, output):
+    ctx.save_for_backward(*inputs)
+    ctx.options = options
 
 
 def _glu_backward(ctx, bwd, dy):
     gate, up = ctx.saved_tensors
-    return bwd(dy, gate, up, ctx.activation)
+    return bwd(dy, gate, up, ctx.options)
 
 
-GLU = Op("glu", forward=_glu_fwd, setup=_glu_setup, backward=_glu_backward, grad_inputs=(0, 1),
-         once_differentiable=True, fake=lambda gate, up, activation: gate.new_empty(gate.shape),
-         schema="(Tensor gate, Tensor up, str activation) -> Tensor", backward_launcher=_glu_bwd,
-         backward_fake=lambda dy, gate, up, activation: (gate.new_empty(gate.shape), gate.new_empty(gate.shape)),
-         backward_schema="(Tensor dy, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)")
+GLU = Op("glu", forward=glu_fwd, setup=_glu_setup, backward=_glu_backward, grad_inputs=(0, 1),
+         once_differentiable=True, fake=lambda gate, up, options: gate.new_empty(gate.shape), backward_launcher=glu_bwd,
+         backward_fake=lambda dy, gate, up, options: (gate.new_empty(gate.shape), gate.new_empty(gate.shape)))
 
 
-def _glu_linear_fwd(gate, up, weight, bias, activation):
-    return torch.nn.functional.linear(_glu_fwd(gate, up, activation), weight, bias)
+def _glu_linear_fwd(gate, up, weight, bias, options: GluOptions):
+    return torch.nn.functional.linear(glu_fwd(gate, up, options), weight, bias)
 
 
-def _glu_linear_setup(ctx, inputs, output):
-    gate, up, weight, bias, activation = inputs
+def _glu_linear_setup(ctx, inputs, options: GluOptions, output):
+    gate, up, weight, bias = inputs
     ctx.save_for_backward(gate, up, weight)
-    ctx.activation, ctx.has_bias = activation, bias is not None
+    ctx.options, ctx.has_bias = options, bias is not None
 
 
 def _glu_linear_backward(ctx, bwd, d_out):
     gate, up, weight = ctx.saved_tensors
     d_out = as_rows(d_out, d_out.shape[-1])
     dy = torch.mm(d_out, weight)  # [M, I], overwritten with the recomputed product below
-    d_gate, d_up = _glu_bwd(dy, gate, up, ctx.activation, store_y=True)
+    d_gate, d_up = glu_bwd(dy, gate, up, ctx.options, store_y=True)
     d_weight = torch.mm(d_out.t(), dy) if ctx.needs_input_grad[2] else None
     d_bias = d_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
     return d_gate, d_up, d_weight, d_bias
@@ -207,8 +223,8 @@ def _glu_linear_backward(ctx, bwd, d_out):
 # recomputation of ``F.linear(glu(...))``.
 GLU_LINEAR = Op("glu_linear", forward=_glu_linear_fwd, setup=_glu_linear_setup, backward=_glu_linear_backward,
                 grad_inputs=(0, 1, 2, 3), once_differentiable=True,
-                base=lambda gate, up, weight, bias, activation: torch.nn.functional.linear(
-                    GLU(gate, up, activation), weight, bias))
+                base=lambda gate, up, weight, bias, options: torch.nn.functional.linear(
+                    GLU(gate, up, options), weight, bias))
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +275,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
         return reference.glu(gate, up, activation, compute_dtype=compute)
     gate_rows, up_rows, shape = _kernel_args(gate, up)
-    y = GLU(gate_rows, up_rows, activation)
+    y = GLU(gate_rows, up_rows, GluOptions(activation))
     return y if shape is None else y.view(shape)
 
 
@@ -302,5 +318,5 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias:
     if not use_kernels(gate) or gate.dtype == torch.float64 or gate.numel() == 0:
         return torch.nn.functional.linear(glu(gate, up, activation), weight, bias)
     gate_rows, up_rows, shape = _kernel_args(gate, up)
-    out = GLU_LINEAR(gate_rows, up_rows, weight, bias, activation)
+    out = GLU_LINEAR(gate_rows, up_rows, weight, bias, GluOptions(activation))
     return out if shape is None else out.view(*shape[:-1], weight.shape[0])

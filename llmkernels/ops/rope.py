@@ -25,7 +25,7 @@ fused qkv projection run without copies (the last dimension needs unit stride).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -136,15 +136,42 @@ def _rope_kernel(
 # --------------------------------------------------------------------------------------------
 # launch heuristics and launcher
 # --------------------------------------------------------------------------------------------
-def _plan(n_tokens: int, hq: int, hk: int, d: int, rotary_dim: int, has_k: bool, has_pos: bool, interleaved: bool,
-          backward: bool, copy_pass: bool, device_index: int, config: Optional[RopeConfig]):
+class RopeOptions(NamedTuple):
+    """The options of a rotation, named once: custom-op schemas, autograd context, plan keys."""
+
+    interleaved: bool  # GPT-J's pairs (2i, 2i + 1), else rotate_half's (i, i + R / 2)
+    rotary_dim: int  # R: the features rotated
+    backward: bool  # rotate the other way (the op's derivative)
+    q_dtype: torch.dtype  # q_out's (out of place)
+    k_dtype: torch.dtype  # k_out's (out of place; q's without k)
+    layout: str  # one of LAYOUTS
+
+
+class RopeKey(NamedTuple):
+    """What decides a launch (``config``: instead of ``rope_config``'s; ``copy_pass``: the
+    features past R copied, out of place)."""
+
+    n_tokens: int
+    hq: int
+    hk: int
+    d: int
+    has_k: bool
+    has_pos: bool
+    copy_pass: bool
+    device_index: int
+    options: RopeOptions
+    config: Optional[RopeConfig]
+
+
+def _plan(key: RopeKey):
     """(the Launcher, the grid) of one call's sizes and switches."""
-    if config is None:
-        config = rope_config(n_tokens, hq, hk, d, rope_tiles(d, hq, hk, device_of(device_index)))
-    handle = launcher(_rope_kernel, HAS_K=has_k, HAS_POS=has_pos, INTERLEAVED=interleaved, BACKWARD=backward,
-                      COPY_PASS=copy_pass, BLOCK_T=config.block_t, BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk,
-                      HALF=max(1, next_pow2(rotary_dim // 2)), PASS=max(1, next_pow2(d - rotary_dim)),
-                      num_warps=config.num_warps)
+    n_tokens, hq, hk, d, config, options = key.n_tokens, key.hq, key.hk, key.d, key.config, key.options
+    config = config or rope_config(n_tokens, hq, hk, d, rope_tiles(d, hq, hk, device_of(key.device_index)))
+    r = options.rotary_dim
+    handle = launcher(_rope_kernel, HAS_K=key.has_k, HAS_POS=key.has_pos, INTERLEAVED=options.interleaved,
+                      BACKWARD=options.backward, COPY_PASS=key.copy_pass, BLOCK_T=config.block_t,
+                      BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk, HALF=max(1, next_pow2(r // 2)),
+                      PASS=max(1, next_pow2(d - r)), num_warps=config.num_warps)
     return handle, (cdiv(n_tokens, config.block_t),)
 
 
@@ -160,16 +187,16 @@ def _bsh(t: torch.Tensor, dims: tuple) -> tuple:
     return st[dims[0]], st[dims[1]], st[dims[2]]
 
 
-def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int, backward: bool, q_out, k_out,
-                config: Optional[RopeConfig] = None, layout: str = "bshd") -> None:
+def rope_launch(q, k, cos, sin, position_ids, options: RopeOptions, q_out, k_out, *,
+                config: Optional[RopeConfig] = None) -> None:
     """The launcher: rotate ``q [B, S, Hq, D]`` (and ``k [B, S, Hk, D]``, or None) into
-    ``q_out``/``k_out`` of the same shapes (which may be q/k themselves), ``backward`` rotating
-    the other way (the op's derivative); with ``layout="bhsd"`` all four are ``[B, H, S, D]``.
-    All are strided tensors with unit last stride. ``cos``/``sin``: ``[B or 1, S, >= R]``
-    (batch stride 0 broadcasts too) or ``[S, >= R]``, or with ``position_ids [B or 1, S]`` or
-    ``[S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
+    ``q_out``/``k_out`` of the same shapes (which may be q/k themselves), ``options.backward``
+    rotating the other way (the op's derivative); with ``options.layout="bhsd"`` all four are
+    ``[B, H, S, D]``. All are strided tensors with unit last stride. ``cos``/``sin``: ``[B or 1,
+    S, >= R]`` (batch stride 0 broadcasts too) or ``[S, >= R]``, or with ``position_ids [B or 1,
+    S]`` or ``[S]`` (int, strides may be 0) a ``[max_pos, >= R]`` table. ``config``: a
     :class:`RopeConfig` (tuning), default ``rope_config``'s of the device's ``rope_tiles``."""
-    dims = _DIMS[layout]
+    dims = _DIMS[options.layout]
     shape = q.shape
     bsz, seq, hq, d = shape[0], shape[dims[1]], shape[dims[2]], shape[3]
     hk = 0 if k is None else k.shape[dims[2]]
@@ -177,11 +204,9 @@ def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int
     if n_tokens == 0 or hq + hk == 0:
         return
     has_pos = position_ids is not None
-    copy_pass = rotary_dim < d and q_out.data_ptr() != q.data_ptr()
-    handle, grid = (_PLANS[n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
-                           q.get_device(), None] if config is None else
-                    _plan(n_tokens, hq, hk, d, rotary_dim, k is not None, has_pos, interleaved, backward, copy_pass,
-                          q.get_device(), config))
+    copy_pass = options.rotary_dim < d and q_out.data_ptr() != q.data_ptr()
+    key = RopeKey(n_tokens, hq, hk, d, k is not None, has_pos, copy_pass, q.get_device(), options, config)
+    handle, grid = _PLANS[key] if config is None else _plan(key)
     cs = cos.stride()
     if has_pos:
         ps = position_ids.stride()
@@ -191,20 +216,19 @@ def rope_launch(q, k, cos, sin, position_ids, interleaved: bool, rotary_dim: int
         tables = (0, cs[0], 0, 0) if len(cs) == 2 else (cs[0] if cos.shape[0] > 1 else 0, cs[1], 0, 0)
         max_pos = 0
     handle(grid, q, q if k is None else k, q_out, q_out if k_out is None else k_out, cos, sin,
-           cos if position_ids is None else position_ids,
-           n_tokens, seq, hq, hk, rotary_dim, d, max_pos,
+           cos if position_ids is None else position_ids, n_tokens, seq, hq, hk, options.rotary_dim, d, max_pos,
            *_bsh(q, dims), *_bsh(q_out, dims),
            *(_NO_STRIDES[:3] if k is None else _bsh(k, dims)), *(_NO_STRIDES[:3] if k is None else _bsh(k_out, dims)),
            *tables)
 
 
-def _rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout):
-    """Out of place: returns ``(q_out, k_out)`` (``k_out`` None without k) in the given dtypes,
-    laid out in memory like q and k where they are dense, else contiguous in ``[B, S, H, D]``
-    order."""
-    q_out = _empty_like(q, q_dtype, layout)
-    k_out = None if k is None else _empty_like(k, k_dtype, layout)
-    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_out, k_out, layout=layout)
+def _rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+          position_ids: Optional[torch.Tensor], options: RopeOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out of place: ``(q_out, k_out)`` (``k_out`` None without k) in the options' dtypes, laid
+    out like q and k where they are dense, else contiguous in ``[B, S, H, D]`` order."""
+    q_out = _empty_like(q, options.q_dtype, options.layout)
+    k_out = None if k is None else _empty_like(k, options.k_dtype, options.layout)
+    rope_launch(q, k, cos, sin, position_ids, options, q_out, k_out)
     return q_out, k_out
 
 
@@ -219,69 +243,62 @@ def _empty_like(t, dtype, layout):
 
 
 # --------------------------------------------------------------------------------------------
-# registration: eager autograd and torch.compile custom ops (llmkernels::rope, and rope_ in
-# place). The derivative of the op is the op with BACKWARD flipped, so its backward calls the op
-# itself (through its autograd when a graph of the backward is wanted: double backward). cos,
-# sin and position_ids get no gradient.
+# registration: llmkernels::rope, and rope_ in place. The derivative of the op is the op with
+# BACKWARD flipped: its backward calls the op itself (double backward). cos, sin and
+# position_ids get no gradient.
 # --------------------------------------------------------------------------------------------
 def _unit_last(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_fake(q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout):
-    return _empty_like(q, q_dtype, layout), None if k is None else _empty_like(k, k_dtype, layout)
+def _rope_fake(q, k, cos, sin, position_ids, options: RopeOptions):
+    return (_empty_like(q, options.q_dtype, options.layout),
+            None if k is None else _empty_like(k, options.k_dtype, options.layout))
 
 
-def _rope_setup(ctx, inputs, outputs):
-    q, k, cos, sin, position_ids, interleaved, rotary_dim, backward, q_dtype, k_dtype, layout = inputs
-    ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (interleaved, rotary_dim, backward, q.dtype, None if k is None else k.dtype, layout)
-    ctx.shapes = (outputs[0].shape, None if k is None else outputs[1].shape)
+def _rope_setup(ctx, inputs, options: RopeOptions, outputs):
+    ctx.save_for_backward(*inputs[2:])  # cos, sin, position_ids
+    ctx.options, ctx.has_k = options, inputs[1] is not None
+    ctx.shapes = (outputs[0].shape, outputs[1].shape if ctx.has_k else None)
 
 
 def _rope_backward(ctx, rope, dq, dk):
     cos, sin, position_ids = ctx.saved_tensors
-    interleaved, rotary_dim, backward, q_dtype, k_dtype, layout = ctx.options
+    options = ctx.options
     # The gradient of an unused output comes as zeros (eager) or None (torch.compile).
     if dq is None:
-        dq = cos.new_zeros(ctx.shapes[0], dtype=q_dtype)
-    if k_dtype is not None and dk is None:
-        dk = cos.new_zeros(ctx.shapes[1], dtype=k_dtype)
-    dq, dk = rope(_unit_last(dq), None if k_dtype is None else _unit_last(dk), cos, sin, position_ids,
-                  interleaved, rotary_dim, not backward, q_dtype, k_dtype or q_dtype, layout)
-    return dq, (dk if k_dtype is not None else None), None, None
+        dq = cos.new_zeros(ctx.shapes[0], dtype=options.q_dtype)
+    if ctx.has_k and dk is None:
+        dk = cos.new_zeros(ctx.shapes[1], dtype=options.k_dtype)
+    dq, dk = rope(_unit_last(dq), _unit_last(dk) if ctx.has_k else None, cos, sin, position_ids,
+                  options._replace(backward=not options.backward))
+    return dq, (dk if ctx.has_k else None), None, None
 
 
 ROPE = Op("rope", forward=_rope, setup=_rope_setup, backward=_rope_backward, grad_inputs=(0, 1, 2, 3),
-          fake=_rope_fake,
-          schema="(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved, "
-                 "SymInt rotary_dim, bool backward, ScalarType q_dtype, ScalarType k_dtype, str layout) "
-                 "-> (Tensor, Tensor)")
+          fake=_rope_fake)
 
 
-def _rope_inplace(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
-    rope_launch(q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q, k, layout=layout)
+def _rope_inplace(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  position_ids: Optional[torch.Tensor], options: RopeOptions) -> None:
+    rope_launch(q, k, cos, sin, position_ids, options, q, k)
 
 
-def _rope_inplace_setup(ctx, inputs, outputs):
-    q, k, cos, sin, position_ids, interleaved, rotary_dim, layout = inputs
-    ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (interleaved, rotary_dim, q.dtype, layout)
+def _rope_inplace_setup(ctx, inputs, options: RopeOptions, outputs):
+    ctx.save_for_backward(*inputs[2:])
+    ctx.options = options
 
 
 def _rope_inplace_backward(ctx, _, dy):
-    cos, sin, position_ids = ctx.saved_tensors
-    interleaved, rotary_dim, dtype, layout = ctx.options
-    dx, _ = ROPE(_unit_last(dy), None, cos, sin, position_ids, interleaved, rotary_dim, True, dtype, dtype, layout)
+    dx, _ = ROPE(_unit_last(dy), None, *ctx.saved_tensors, ctx.options._replace(backward=True))
     return (dx,)
 
 
-# In place. Autograd allows a Function that modifies a view in place to return only that tensor,
-# so a call that needs a gradient rotates q and k in one call each (k None).
+# In place (``options.backward`` False, the dtypes q's and k's). Autograd allows a Function that
+# modifies a view in place to return only that tensor, so a call that needs a gradient rotates q
+# and k in one call each (k None).
 ROPE_INPLACE = Op("rope_", forward=_rope_inplace, setup=_rope_inplace_setup, backward=_rope_inplace_backward,
-                  grad_inputs=(0, 1), mutates=("q", "k"), fake=lambda *args: None,
-                  schema="(Tensor(a0!) q, Tensor(a1!)? k, Tensor cos, Tensor sin, Tensor? position_ids, "
-                         "bool interleaved, SymInt rotary_dim, str layout) -> ()")
+                  grad_inputs=(0, 1), mutates=("q", "k"), fake=lambda *args: None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,17 +383,19 @@ def _apply_rope(q, k, cos, sin, position_ids, layout, interleaved, rotary_dim, i
     # The kernel reads q/k (either layout) and cos/sin through their strides, as they come.
     qu = _unit_last(q)
     ku = None if k is None else _unit_last(k)
-    args = (_unit_last(cos), _unit_last(sin), position_ids, interleaved, rotary_dim)
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    # (no None dtype in the schema: an absent k's is q's)
+    options = RopeOptions(interleaved, rotary_dim, False, q_dtype, k_dtype or q_dtype, layout)
     if inplace:
         if not ROPE_INPLACE.needs_grad((qu, ku)):
-            ROPE_INPLACE(qu, ku, *args, layout)  # the launcher, or the custom op under torch.compile
+            ROPE_INPLACE(qu, ku, cos, sin, position_ids, options)  # the launcher, or the custom op under torch.compile
             return q, k
         if not torch.compiler.is_compiling():
-            ROPE_INPLACE(qu, None, *args, layout)
-            if ku is not None:
-                ROPE_INPLACE(ku, None, *args, layout)
+            ROPE_INPLACE(qu, None, cos, sin, position_ids, options)
+            if ku is not None:  # (k as the q of its own call)
+                ROPE_INPLACE(ku, None, cos, sin, position_ids, options._replace(q_dtype=k_dtype))
             return q, k
-    q_out, k_out = ROPE(qu, ku, *args, False, q_dtype, k_dtype or q_dtype, layout)  # (no None dtype in the schema)
+    q_out, k_out = ROPE(qu, ku, cos, sin, position_ids, options)
     if inplace:  # under torch.compile: out of place, for the custom op's autograd, then copied
         return q.copy_(q_out), (None if k is None else k.copy_(k_out))
     return q_out, (None if k is None else k_out)  # (under torch.compile an absent k comes back as a placeholder)
@@ -442,9 +461,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         if table:
             cos, sin = cos[position_ids], sin[position_ids]
         return reference.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    c_dtype = cos.dtype
+    promoted = torch.promote_types
     return _apply_rope(q, k, cos, sin, position_ids if table else None, layout, False, None, False,
-                       _promoted(q.dtype, c_dtype), None if k is None else _promoted(k.dtype, c_dtype))
+                       promoted(q.dtype, cos.dtype), None if k is None else promoted(k.dtype, cos.dtype))
 
 
 _UNSQUEEZE_LAYOUTS = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
@@ -476,7 +495,3 @@ def _check_hf_rope_args(q, k, cos, sin, unsqueeze_dim, table: bool) -> None:
         if x is not None and not _broadcasts_to(angles, x.shape):
             raise ValueError(f"cos/sin of shape {list(cos.shape)} (unsqueezed at unsqueeze_dim={unsqueeze_dim}: "
                              f"{list(angles)}) do not broadcast to {name}'s shape {list(x.shape)}")
-
-
-def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return a if a == b else torch.promote_types(a, b)

@@ -28,7 +28,7 @@ from .. import reference
 from ..modules import FusedAddRMSNorm
 from ..ops._launch import use_kernels
 from ..ops.glu import glu
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.losses.linear_cross_entropy import linear_cross_entropy
 from ..ops.rope import apply_rope
 from .plan import ModelConfig
 

@@ -105,7 +105,7 @@ def search(task, device, copy_gbps: float, log) -> dict:
     import torch
 
     from ..bench.registry import ops
-    from ..bench.runner import TOL, Case, _graph_bench_ms, free_memory
+    from ..bench.runner import TOL, Case, graph_bench_ms, free_memory
     from ..ops import _device
 
     op = ops()[task.op]
@@ -122,7 +122,7 @@ def search(task, device, copy_gbps: float, log) -> dict:
             result["rel_err"] = worst = max(errors.values())
             if worst <= TOL[dtype]:
                 timed = lambda: case.timed(fn, task.mode, task.mutates)  # noqa: E731
-                result["ms"] = _graph_bench_ms(timed) if device.type == "cuda" else _clock_ms(timed())
+                result["ms"] = graph_bench_ms(timed) if device.type == "cuda" else _clock_ms(timed())
                 result["pct_copy"] = 100 * size / result["ms"] / 1e6 / copy_gbps
             else:
                 result["failed"] = f"rel err {worst:.2e} > {TOL[dtype]:.0e}"

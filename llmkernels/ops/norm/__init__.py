@@ -26,9 +26,9 @@ registration for eager autograd and torch.compile).
 """
 from .api import NORM, layer_norm, rms_norm
 from .configs import BwdConfig, FwdConfig, NormConfig, SplitBwdConfig, SplitFwdConfig, check_config
-from .launchers import BWD_PLANS, FWD_PLANS, norm_bwd, norm_fwd
+from .launchers import BWD_PLANS, FWD_PLANS, BwdKey, FwdKey, NormOptions, norm_bwd, norm_fwd
 from .tables import BACKWARD, FORWARD, NormKey, backward_config, forward_config
 
 __all__ = ["layer_norm", "rms_norm", "NORM", "NormConfig", "FwdConfig", "SplitFwdConfig", "BwdConfig", "SplitBwdConfig",
-           "check_config", "NormKey", "FORWARD", "BACKWARD", "forward_config", "backward_config", "norm_fwd",
-           "norm_bwd", "FWD_PLANS", "BWD_PLANS"]
+           "check_config", "NormOptions", "FwdKey", "BwdKey", "NormKey", "FORWARD", "BACKWARD", "forward_config",
+           "backward_config", "norm_fwd", "norm_bwd", "FWD_PLANS", "BWD_PLANS"]

@@ -11,71 +11,69 @@ from ... import reference
 from .._launch import as_rows, check_tensor, use_kernels
 from .._register import Op
 from .configs import NormConfig, check_config
-from .launchers import norm_bwd, norm_fwd
+from .launchers import NormOptions, NormOutputs, norm_bwd, norm_fwd
 
 
-def _norm_fwd_saving(*args, share_dres: bool = False, config: Optional[NormConfig] = None):
+def _norm_fwd_saving(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     residual: Optional[torch.Tensor], options: NormOptions, *, share_dres: bool = False,
+                     config: Optional[NormConfig] = None) -> NormOutputs:
     """The forward of a call that records an autograd node: the statistics are kept for the
     backward. (``share_dres``, an option of the call, is for the backward: see ``_norm_setup``.)"""
-    return norm_fwd(*args, True, config=None if config is None else config.forward)
+    return norm_fwd(x, weight, bias, residual, options, store_stats=True,
+                    config=None if config is None else config.forward)
 
 
-def _norm_fwd_inference(*args, share_dres: bool = False, config: Optional[NormConfig] = None):
+def _norm_fwd_inference(x, weight, bias, residual, options: NormOptions, *, share_dres: bool = False,
+                        config: Optional[NormConfig] = None):
     """The forward of a call that needs no gradient: no statistics."""
-    return norm_fwd(*args, False, config=None if config is None else config.forward)
+    return norm_fwd(x, weight, bias, residual, options, store_stats=False,
+                    config=None if config is None else config.forward)
 
 
-def _norm_fwd_fake(x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype):
+def _norm_fwd_fake(x, weight, bias, residual, options: NormOptions):
     m, n = x.shape
-    h = x.new_empty((m, n), dtype=h_dtype) if residual is not None else None
-    mean = None if is_rms else x.new_empty(m, dtype=torch.float32)
-    return x.new_empty((m, n), dtype=out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
+    h = x.new_empty((m, n), dtype=options.h_dtype) if residual is not None else None
+    mean = None if options.is_rms else x.new_empty(m, dtype=torch.float32)
+    return x.new_empty((m, n), dtype=options.out_dtype), h, mean, x.new_empty(m, dtype=torch.float32)
 
 
-def _norm_bwd_fake(dy, dh, xin, weight, bias_dtype, mean, rstd, heads, weight_offset, is_rms, quantize, x_dtype,
-                   res_dtype):
+def _norm_bwd_fake(dy, dh, xin, weight, mean, rstd, options: NormOptions):
     m, n = xin.shape
-    return (xin.new_empty((m, n), dtype=x_dtype),
-            None if res_dtype is None else xin.new_empty((m, n), dtype=res_dtype),
+    return (xin.new_empty((m, n), dtype=options.x_dtype),
+            None if options.res_dtype is None else xin.new_empty((m, n), dtype=options.res_dtype),
             None if weight is None else weight.new_empty(weight.shape),
-            None if bias_dtype is None else xin.new_empty(heads * n, dtype=bias_dtype))
+            None if options.bias_dtype is None else xin.new_empty(options.heads * n, dtype=options.bias_dtype))
 
 
-def _norm_setup(ctx, inputs, outputs, share_dres: bool = False, config: Optional[NormConfig] = None):
+def _norm_setup(ctx, inputs, options: NormOptions, outputs, *, share_dres: bool = False,
+                config: Optional[NormConfig] = None):
     """``share_dres`` (eager only): dx may double as dresidual, a write less (custom ops may not
     return aliases). ``config`` (eager only): the backward's launch configuration."""
-    x, weight, bias, residual, heads, eps, weight_offset, is_rms, quantize, out_dtype, h_dtype = inputs
+    x, weight, bias, residual = inputs
     y, h, mean, rstd = outputs
-    ctx.save_for_backward(x if residual is None else h, weight, None if is_rms else mean, rstd)
-    ctx.options = (None if bias is None else (bias.shape, bias.dtype),
-                   None if residual is None else residual.dtype, heads, weight_offset, is_rms, quantize, x.dtype)
+    ctx.save_for_backward(x if residual is None else h, weight, None if options.is_rms else mean, rstd)
+    ctx.options, ctx.bias_shape = options, None if bias is None else bias.shape
     ctx.share_dres = share_dres
     ctx.backward_config = None if config is None else config.backward
 
 
 def _norm_backward(ctx, bwd, dy, dh, *_):
     xin, weight, mean, rstd = ctx.saved_tensors
-    bias_meta, res_dtype, heads, weight_offset, is_rms, quantize, x_dtype = ctx.options
+    options = ctx.options
+    residual = options.res_dtype is not None
     n = xin.shape[1]
-    dx, dres, dw, db = bwd(as_rows(dy, n), as_rows(dh, n) if res_dtype is not None and dh is not None else None,
-                           xin, weight, None if bias_meta is None else bias_meta[1], mean, rstd, heads,
-                           weight_offset, is_rms, quantize, x_dtype, res_dtype, share_dres=ctx.share_dres,
-                           config=ctx.backward_config)
-    if bias_meta is not None and len(bias_meta[0]) > 1:  # a per-head bias [H, D]
-        db = db.view(bias_meta[0])
-    return (dx, dw if weight is not None else None, None if bias_meta is None else db,
-            dres if res_dtype is not None else None)
+    dx, dres, dw, db = bwd(as_rows(dy, n), as_rows(dh, n) if residual and dh is not None else None, xin, weight,
+                           mean, rstd, options, share_dres=ctx.share_dres, config=ctx.backward_config)
+    if ctx.bias_shape is None:  # (under torch.compile, a placeholder)
+        db = None
+    elif len(ctx.bias_shape) > 1:  # a per-head bias [H, D]
+        db = db.view(ctx.bias_shape)
+    return dx, dw if weight is not None else None, db, dres if residual else None
 
 
 NORM = Op("norm", forward=_norm_fwd_saving, infer=_norm_fwd_inference, setup=_norm_setup,
           backward=_norm_backward, grad_inputs=(0, 1, 2, 3), returns=2, fake=_norm_fwd_fake,
-          backward_launcher=norm_bwd, backward_fake=_norm_bwd_fake,
-          schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, SymInt heads, float eps, "
-                 "float weight_offset, bool is_rms, bool quantize, ScalarType out_dtype, ScalarType? h_dtype) "
-                 "-> (Tensor, Tensor, Tensor, Tensor)",
-          backward_schema="(Tensor dy, Tensor? dh, Tensor xin, Tensor? weight, ScalarType? bias_dtype, Tensor? mean, "
-                          "Tensor rstd, SymInt heads, float weight_offset, bool is_rms, bool quantize, "
-                          "ScalarType x_dtype, ScalarType? res_dtype) -> (Tensor, Tensor, Tensor, Tensor)")
+          backward_launcher=norm_bwd, backward_fake=_norm_bwd_fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,10 +140,11 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
     # Per-head weights are indexed by row % H, so they need contiguous [H, D] rows.
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    args = (as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), heads, float(eps),
-            weight_offset, is_rms, casting == "llama", out_dtype, h_dtype)
+    options = NormOptions(is_rms, casting == "llama", heads, float(eps), weight_offset, out_dtype, h_dtype, x.dtype,
+                          None if residual is None else residual.dtype, None if bias is None else bias.dtype)
     # dx can double as dresidual unless x or residual is a leaf (their .grad would alias).
-    y, h = NORM(*args, share_dres=residual is not None and not (x.is_leaf or residual.is_leaf), config=config)
+    y, h = NORM(as_rows(x, n), weight, bias, None if residual is None else as_rows(residual, n), options,
+                share_dres=residual is not None and not (x.is_leaf or residual.is_leaf), config=config)
     h = h if residual is not None else None  # (under torch.compile, a placeholder)
     if y.dim() != len(shape):
         y = y.view(shape)

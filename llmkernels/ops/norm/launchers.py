@@ -1,10 +1,12 @@
 """The launchers: the forward and backward of ``[M, N]`` rows.
 
-What a call launches (kernels, constexprs, grids, the exchange slots' shape) depends on the
-sizes, dtypes, device and switches of its arguments, not on their data: it is resolved once per
-such key into a plan (``FWD_PLANS`` / ``BWD_PLANS``, ``_launch.Plans``), and each call looks its
-plan up, allocates its outputs (and the scratch its kernels write: exchange slots, dW / dB
-partials) and launches the plan's kernel handles (``_launch.Launcher``).
+A call's options travel as one record, :class:`NormOptions`, from ``rms_norm`` / ``layer_norm``
+to the kernels. What a call launches (kernels, constexprs, grids, the exchange slots' shape)
+depends on the sizes, dtypes, device and options of its arguments, not on their data: it is
+resolved once per such key (``FwdKey`` / ``BwdKey``, the options record in it) into a plan
+(``FWD_PLANS`` / ``BWD_PLANS``, ``_launch.Plans``), and each call looks its plan up, allocates its
+outputs (and the scratch its kernels write: exchange slots, dW / dB partials) and launches the
+plan's kernel handles (``_launch.Launcher``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,59 @@ from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, 
                       BackwardConfig, ForwardConfig, SplitBwdConfig, SplitFwdConfig, check_config)
 from .forward import _norm_fwd_kernel, _norm_fwd_split_kernel
 from .tables import NormKey, backward_config, forward_config
+
+
+class NormOptions(NamedTuple):
+    """The options of one norm call, named once: the custom ops' schemas, the autograd context
+    and the plan keys are made of these fields."""
+
+    is_rms: bool  # RMSNorm (else LayerNorm)
+    quantize: bool  # x_hat rounded to x's dtype before the weight (Llama's casting)
+    heads: int  # weight rows [heads, N] taken by row % heads (1: one row)
+    eps: float
+    weight_offset: float  # added to the weight (Gemma's 1 + weight)
+    out_dtype: torch.dtype  # y's
+    h_dtype: Optional[torch.dtype]  # the residual sum h's (None: no residual)
+    x_dtype: torch.dtype  # x's, dx's
+    res_dtype: Optional[torch.dtype]  # the residual's, dresidual's (None: no residual)
+    bias_dtype: Optional[torch.dtype]  # the bias's, dbias's (None: no bias)
+
+
+NormOutputs = tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+class FwdKey(NamedTuple):
+    """What decides a forward's launch: rows ``m`` of ``n``, the device, the tensors present,
+    whether the statistics are stored, the options, and a configuration given instead of the
+    table's."""
+
+    m: int
+    n: int
+    device_index: int
+    residual: bool
+    weight: bool
+    bias: bool
+    store_stats: bool
+    options: NormOptions
+    config: Optional[ForwardConfig]
+
+
+class BwdKey(NamedTuple):
+    """What decides a backward's launch: as :class:`FwdKey`, with the dtypes of the norm's input
+    ``xin``, of ``dy`` and of ``dh`` and the weight (None: absent), and ``dres``: a dresidual
+    written apart from dx."""
+
+    m: int
+    n: int
+    device_index: int
+    xin_dtype: torch.dtype
+    dy_dtype: torch.dtype
+    dh_dtype: Optional[torch.dtype]
+    w_dtype: Optional[torch.dtype]
+    dres: bool
+    options: NormOptions
+    config: Optional[BackwardConfig]
+
 
 class FwdPlan(NamedTuple):
     """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
@@ -76,53 +131,53 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
                     num_warps=config.num_warps)
 
 
-def _forward_plan(m: int, n: int, dtype: torch.dtype, device_index: int, heads: int, is_rms: bool, quantize: bool,
-                  store_stats: bool, residual: bool, weight: bool, bias: bool,
-                  config: Optional[ForwardConfig]) -> FwdPlan:
-    """The plan of a ``norm_fwd`` call (``residual``, ``weight``, ``bias``: whether each is there;
-    ``config``: instead of ``FORWARD``'s)."""
-    device = device_of(device_index)
-    key = NormKey(is_rms, dtype, residual, n, m, persistent_programs(device, 1), heads == 1, model_of(device).depth)
+def _forward_plan(key: FwdKey) -> FwdPlan:
+    """The plan of a ``norm_fwd`` call (``key.config``: instead of ``FORWARD``'s)."""
+    m, n, options, config = key.m, key.n, key.options, key.config
+    device = device_of(key.device_index)
+    table_key = NormKey(options.is_rms, options.x_dtype, key.residual, n, m, persistent_programs(device, 1),
+                        options.heads == 1, model_of(device).depth)
     tuned = tuned_of(device)
     if config is None:
-        config = forward_config(key, tuned)
+        config = forward_config(table_key, tuned)
     else:
         check_config(config, n, backward=False)
-    switches = dict(is_rms=is_rms, residual=residual, weight=weight, bias=bias, quantize=quantize,
-                    store_stats=store_stats, heads=heads)
+    switches = dict(is_rms=options.is_rms, residual=key.residual, weight=key.weight, bias=key.bias,
+                    quantize=options.quantize, store_stats=key.store_stats, heads=options.heads)
     if isinstance(config, SplitFwdConfig):
-        split = split_grid(n, m, config.block_n, device, config.per_sm) if key.split else None
+        split = split_grid(n, m, config.block_n, device, config.per_sm) if table_key.split else None
         if split is not None:
             parts, groups = split
             # (a pipelined kernel publishes the rows past the last into spare slots)
             slots = (m + groups if config.stages else m, parts)
             return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
-        config = forward_config(key._replace(split=False), tuned)
+        config = forward_config(table_key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
 
 FWD_PLANS = Plans(_forward_plan)
 
 
-def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: float, is_rms: bool,
-             quantize: bool, out_dtype: torch.dtype, h_dtype: Optional[torch.dtype], store_stats: bool,
-             config: Optional[ForwardConfig] = None):
+def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+             residual: Optional[torch.Tensor], options: NormOptions, *, store_stats: bool,
+             config: Optional[ForwardConfig] = None) -> NormOutputs:
     """The forward of ``x [M, N]`` (and ``residual``; unit column stride): returns (y [M, N],
     h [M, N] or None, mean [M] fp32 or None, rstd [M] fp32 or None). ``config``: the launch
     configuration instead of the table's."""
     m, n = x.shape
     dev = x.device
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    h = torch.empty((m, n), dtype=h_dtype, device=dev) if residual is not None else None
+    y = torch.empty((m, n), dtype=options.out_dtype, device=dev)
+    h = torch.empty((m, n), dtype=options.h_dtype, device=dev) if residual is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=dev) if store_stats else None
-    mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not is_rms else None
+    mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not options.is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    handle, grid, slots = FWD_PLANS[m, n, x.dtype, x.get_device(), heads, is_rms, quantize, store_stats,
-                                    residual is not None, weight is not None, bias is not None, config]
+    handle, grid, slots = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None, weight is not None,
+                                           bias is not None, store_stats, options, config)]
+    eps, weight_offset = options.eps, options.weight_offset
     if slots is None:
         handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
-               pointer(mean, y), pointer(rstd, y), m, n, heads, x.stride(0), row_stride(residual), y.stride(0),
+               pointer(mean, y), pointer(rstd, y), m, n, options.heads, x.stride(0), row_stride(residual), y.stride(0),
                row_stride(h), eps, weight_offset)
     else:
         handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
@@ -131,34 +186,32 @@ def norm_fwd(x, weight, bias, residual, heads: int, eps: float, weight_offset: f
     return y, h, mean, rstd
 
 
-def _backward_plan(m: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, dh_dtype: Optional[torch.dtype],
-                   w_dtype: Optional[torch.dtype], bias: bool, device_index: int, heads: int, is_rms: bool,
-                   quantize: bool, dres: bool, config: Optional[BackwardConfig]) -> BwdPlan:
-    """The plan of a ``norm_bwd`` call on ``xin`` of ``dtype`` (``dh_dtype`` / ``w_dtype``: None
-    where there is no dh / weight; ``dres``: a dresidual written apart from dx; ``config``: instead
-    of ``BACKWARD``'s)."""
-    device = device_of(device_index)
+def _backward_plan(key: BwdKey) -> BwdPlan:
+    """The plan of a ``norm_bwd`` call (``key.config``: instead of ``BACKWARD``'s)."""
+    m, n, options, config, dh_dtype, w_dtype = key.m, key.n, key.options, key.config, key.dh_dtype, key.w_dtype
+    is_rms, heads, dtype = options.is_rms, options.heads, key.xin_dtype
+    device = device_of(key.device_index)
     # (residual: the gradient of h flows in; the decode rows are measured for one weight row only)
-    key = NormKey(is_rms, dtype, dh_dtype is not None, n, m, persistent_programs(device, 1) if heads == 1 else 0,
-                  heads == 1, model_of(device).depth)
+    table_key = NormKey(is_rms, dtype, dh_dtype is not None, n, m,
+                        persistent_programs(device, 1) if heads == 1 else 0, heads == 1, model_of(device).depth)
     tuned = tuned_of(device)
     if config is None:
-        config = backward_config(key, tuned)
+        config = backward_config(table_key, tuned)
     else:
         check_config(config, n, backward=True)
     # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
-    row_bytes = dtype.itemsize + dy_dtype.itemsize + (0 if dh_dtype is None else dh_dtype.itemsize)
-    switches = dict(is_rms=is_rms, weight=w_dtype is not None, bias=bias, dh=dh_dtype is not None, dres=dres,
-                    quantize=quantize)
+    row_bytes = dtype.itemsize + key.dy_dtype.itemsize + (0 if dh_dtype is None else dh_dtype.itemsize)
+    switches = dict(is_rms=is_rms, weight=w_dtype is not None, bias=options.bias_dtype is not None,
+                    dh=dh_dtype is not None, dres=key.dres, quantize=options.quantize)
     if isinstance(config, SplitBwdConfig):
-        split = split_grid(n, m, config.block_n, device) if key.split else None
+        split = split_grid(n, m, config.block_n, device) if table_key.split else None
         if split is not None:
             parts, programs = split
             handle = _bwd_launcher(config, parts, stages=fit_stages(config.stages, config.block_n * row_bytes, device),
                                    **switches)
             return _with_sums(handle, (programs * parts,), (m + programs, parts, 2), None, programs, heads * n,
                               switches)
-        config = backward_config(key._replace(split=False), tuned)
+        config = backward_config(table_key._replace(split=False), tuned)
     chunks = 1 if config.one_pass else cdiv(n, config.block_n)
     programs = max(1, min(cdiv(m // heads, config.block_m),
                           cdiv(persistent_programs(device, config.per_sm), heads * chunks)))
@@ -192,17 +245,18 @@ def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches:
 BWD_PLANS = Plans(_backward_plan)
 
 
-def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd, heads: int, weight_offset: float,
-             is_rms: bool, quantize: bool, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
-             share_dres: bool = False, config: Optional[BackwardConfig] = None):
+def norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, weight: Optional[torch.Tensor],
+             mean: Optional[torch.Tensor], rstd: torch.Tensor, options: NormOptions, *, share_dres: bool = False,
+             config: Optional[BackwardConfig] = None) -> NormOutputs:
     """Gradients of ``norm_fwd``. ``xin [M, N]`` is the norm's input (``h`` with a residual);
     ``dy`` and ``dh`` (gradient of the returned ``h``, or None) are ``[M, N]``. ``share_dres``:
     return dx itself as dresidual when the dtypes match (saves a write; only safe when neither
     input is a leaf whose ``.grad`` would then alias the other's). ``config``: the launch
     configuration instead of the table's. Returns (dx, dresidual or None, dweight or None,
-    dbias [heads * N] of ``bias_dtype`` (None without a bias))."""
+    dbias [heads * N] (None without a bias))."""
     m, n = xin.shape
     dev = xin.device
+    heads, x_dtype, res_dtype, bias_dtype = options.heads, options.x_dtype, options.res_dtype, options.bias_dtype
     dx = torch.empty((m, n), dtype=x_dtype, device=dev)
     dres = None
     if res_dtype is not None:
@@ -211,9 +265,9 @@ def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
         dw = None if weight is None else torch.zeros((1, heads * n), dtype=weight.dtype, device=dev)[0]
         db = None if bias_dtype is None else torch.zeros((1, heads * n), dtype=bias_dtype, device=dev)[0]
         return dx, dres, None if dw is None else dw.view(weight.shape), db
-    plan = BWD_PLANS[m, n, xin.dtype, dy.dtype, None if dh is None else dh.dtype,
-                     None if weight is None else weight.dtype, bias_dtype is not None, xin.get_device(), heads, is_rms,
-                     quantize, dres is not None and dres is not dx, config]
+    plan = BWD_PLANS[BwdKey(m, n, xin.get_device(), xin.dtype, dy.dtype, None if dh is None else dh.dtype,
+                            None if weight is None else weight.dtype, dres is not None and dres is not dx, options,
+                            config)]
     partials = plan.partials
     part_dtype = torch.float32 if partials > 1 else None
     dw_part = None if weight is None else torch.empty((partials, heads * n), dtype=part_dtype or weight.dtype,
@@ -224,17 +278,17 @@ def norm_bwd(dy, dh, xin, weight, bias_dtype: Optional[torch.dtype], mean, rstd,
         plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
                     pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd,
                     torch.zeros(plan.slots, dtype=torch.int64, device=dev), m, n, xin.stride(0), dy.stride(0),
-                    row_stride(dh), dx.stride(0), row_stride(dres), weight_offset)
+                    row_stride(dh), dx.stride(0), row_stride(dres), options.weight_offset)
     else:
         dots = None
         if plan.dots is not None:
             dots = torch.empty((m, 2), dtype=torch.float32, device=dev)
             plan.dots((m,), xin, pointer(weight, xin), dy, pointer(mean, rstd), rstd, dots, n, heads, xin.stride(0),
-                      dy.stride(0), weight_offset)
+                      dy.stride(0), options.weight_offset)
         plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
                     pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd, pointer(dots, rstd),
                     m // heads, n, heads, xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0), row_stride(dres),
-                    weight_offset)
+                    options.weight_offset)
     if plan.sums is None:
         dw, db = (None if dw_part is None else dw_part[0]), (None if db_part is None else db_part[0])
     else:

@@ -13,7 +13,7 @@ hidden's dtype) are read once by ``_row_logp_kernel``, which keeps a running max
 backward.
 
 Backward: the upstream gradients of ``logp`` and ``entropy`` are known only now, so the logits
-are recomputed, over vocabulary chunks (``vocab_chunks.grads_by_vocab_chunks``): the gradient
+are recomputed, over vocabulary chunks (``base.grads_by_vocab_chunks``): the gradient
 block is formed in place, the weight gradient of a chunk is one matmul over all rows (exact,
 no fp32 ``[V, H]`` accumulator) and the hidden gradient is summed in an fp32 ``[M, H]`` buffer.
 Matmuls: 1 (forward) + 3 (backward: logits again, weight gradient, hidden gradient), each of
@@ -21,21 +21,34 @@ Matmuls: 1 (forward) + 3 (backward: logits again, weight gradient, hidden gradie
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .. import reference
-from ._launch import launch, pointer, use_kernels
-from ._register import Op
-from ._triton import tl, triton
-from .cross_entropy import check_target, finish_target_check, start_target_check
-from .linear_cross_entropy import grads_fake
-from .vocab_chunks import chunk_rows, check_head, grads_by_vocab_chunks
+from ... import reference
+from .._launch import launch, pointer, use_kernels
+from .._register import Op
+from .._triton import tl, triton
+from ..configs.linear_losses import DEFAULT_CONFIG
+from .base import (check_chunk_size, check_head, check_ignore_index, check_target, check_temperature, chunk_rows,
+                   finish_target_check, grads_by_vocab_chunks, grads_fake, start_target_check)
 
-ROW_BLOCK_V = 4096  # columns per step of the forward's online loop
-ROW_WARPS = 8
+
+class LogProbsOptions(NamedTuple):
+    """The options of a ``linear_log_probs`` call, named once: the custom ops' schemas and the
+    autograd context are made of these fields."""
+
+    temperature: float
+    want_entropy: bool  # return_entropy
+    ignore_index: int
+    check: bool  # check_targets
+    chunk_size: Optional[int]  # rows of logits per forward chunk
+    vocab_chunk_size: Optional[int]  # vocabulary columns per backward chunk
+    need: tuple[bool, ...]  # which of hidden, weight and bias want a gradient
+
+
+Outputs = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @triton.jit
@@ -74,16 +87,17 @@ def _row_logp_kernel(X, T, LOGP, ENT, LSE, MU, V, stride_x, ignore_index, inv_te
         tl.store(ENT + row + one, tl.where(valid & ~in_range, float("nan"), tl.where(valid, lse - mu, 0.0)))
 
 
-def _logp_forward(hidden, weight, target, bias, temperature: float, want_entropy: bool, ignore_index: int,
-                  check: bool, chunk_size: Optional[int], vocab_chunk_size: Optional[int]):
-    """Returns ``(logp, entropy or None, lse, mu or None)``, each ``[M]`` fp32 (``vocab_chunk_size``
-    is the backward's)."""
+def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                  options: LogProbsOptions) -> Outputs:
+    """Returns ``(logp, entropy or None, lse, mu or None)``, each ``[M]`` fp32."""
     m, v = hidden.shape[0], weight.shape[0]
-    pending = start_target_check(target, v, ignore_index) if check else None
+    ignore_index, want_entropy = options.ignore_index, options.want_entropy
+    kernel = DEFAULT_CONFIG.log_probs
+    pending = start_target_check(target, v, ignore_index) if options.check else None
     rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
     logp, lse = rows(), rows()
     entropy, mu = (rows(), rows()) if want_entropy else (None, None)
-    chunk = chunk_rows(m, v, hidden.element_size(), hidden.device, chunk_size)
+    chunk = chunk_rows(m, v, hidden.element_size(), hidden.device, options.chunk_size)
     buffer = torch.empty((min(chunk, m), v), dtype=hidden.dtype, device=hidden.device)
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
@@ -93,14 +107,16 @@ def _logp_forward(hidden, weight, target, bias, temperature: float, want_entropy
         else:
             torch.addmm(bias, hidden[a:b], weight.t(), out=logits)
         launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], pointer(entropy, lse)[a:b],
-               lse[a:b], pointer(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / temperature,
-               ENTROPY=want_entropy, BLOCK_V=ROW_BLOCK_V, num_warps=ROW_WARPS)
+               lse[a:b], pointer(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / options.temperature,
+               ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
     finish_target_check(pending, target, v, ignore_index)
     return logp, entropy, lse, mu
 
 
-def _logp_backward_launcher(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature: float,
-                            ignore_index: int, need: tuple, vocab_chunk_size: Optional[int]):
+def _logp_backward_launcher(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+                            hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                            bias: Optional[torch.Tensor], lse: torch.Tensor, mu: Optional[torch.Tensor],
+                            options: LogProbsOptions) -> Grads:
     """``(grad_hidden, grad_weight, grad_bias)`` for upstream gradients ``grad_logp [M]`` and
     ``grad_entropy [M]`` (or None), recomputing the logits over vocabulary chunks."""
     m = hidden.shape[0]
@@ -111,67 +127,43 @@ def _logp_backward_launcher(grad_logp, grad_entropy, hidden, weight, target, bia
     n1 = -g1
     coefs = torch.stack((n1, n1 if g2 is None else -g2, n1, n1))
     return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu,
-                                 need=tuple(need), ignore_index=ignore_index, inv_temp=1.0 / temperature,
-                                 cols=vocab_chunk_size)
+                                 need=options.need, ignore_index=options.ignore_index,
+                                 inv_temp=1.0 / options.temperature, cols=options.vocab_chunk_size)
 
 
 # --------------------------------------------------------------------------------------------
 # registration: eager autograd and torch.compile custom ops (llmkernels::linear_log_probs_fwd /
 # _bwd). The forward keeps lse and E_p[z] for the backward; the caller gets logp and entropy.
 # --------------------------------------------------------------------------------------------
-def _logp_fake(hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size,
-               vocab_chunk_size):
+def _logp_fake(hidden, weight, target, bias, options: LogProbsOptions):
     rows = lambda: hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # noqa: E731
-    return rows(), (rows() if want_entropy else None), rows(), (rows() if want_entropy else None)
+    return rows(), (rows() if options.want_entropy else None), rows(), (rows() if options.want_entropy else None)
 
 
-def _logp_setup(ctx, inputs, outputs):
-    hidden, weight, target, bias, temperature, want_entropy, ignore_index, check, chunk_size, vocab_chunk_size = inputs
+def _logp_setup(ctx, inputs, options: LogProbsOptions, outputs):
     _, _, lse, mu = outputs
-    ctx.save_for_backward(hidden, weight, target, bias, lse, mu if want_entropy else None)
-    ctx.need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
-    ctx.options = (temperature, ignore_index, ctx.need, vocab_chunk_size)
+    ctx.save_for_backward(*inputs, lse, mu if options.want_entropy else None)
+    ctx.options = options
 
 
 def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
     hidden, weight, target, bias, lse, mu = ctx.saved_tensors
-    grads = bwd(grad_logp, grad_entropy if mu is not None else None, hidden, weight, target, bias, lse, mu,
-                *ctx.options)
-    return tuple(t if n else None for t, n in zip(grads, ctx.need))
+    grads = bwd(grad_logp, grad_entropy if mu is not None else None, hidden, weight, target, bias, lse, mu, ctx.options)
+    return tuple(t if n else None for t, n in zip(grads, ctx.options.need))
 
 
-def _logp_backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, temperature, ignore_index,
-                        need, vocab_chunk_size):
-    return grads_fake((hidden, weight, bias), need)
+def _logp_backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, options: LogProbsOptions):
+    return grads_fake((hidden, weight, bias), options.need)
 
 
 LOG_PROBS = Op("linear_log_probs", forward=_logp_forward, setup=_logp_setup, backward=_logp_backward,
-               grad_inputs=(0, 1, 3), returns=2, fake=_logp_fake,
-               schema="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, float temperature, "
-                      "bool want_entropy, SymInt ignore_index, bool check, SymInt? chunk_size, "
-                      "SymInt? vocab_chunk_size) -> (Tensor, Tensor, Tensor, Tensor)",
-               backward_launcher=_logp_backward_launcher,
-               backward_fake=_logp_backward_fake,
-               backward_schema="(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-                               "Tensor target, Tensor? bias, Tensor lse, Tensor? mu, float temperature, "
-                               "SymInt ignore_index, bool[] need, SymInt? vocab_chunk_size) -> (Tensor, Tensor, Tensor)")
+               grad_inputs=(0, 1, 3), returns=2, fake=_logp_fake, backward_launcher=_logp_backward_launcher,
+               backward_fake=_logp_backward_fake)
 
 
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def check_temperature(temperature) -> float:
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-            or temperature <= 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
-
-
-def check_chunk_size(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-
-
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0, return_entropy: bool = False,
                      ignore_index: int = -100, check_targets: bool = True, chunk_size: Optional[int] = None,
@@ -190,7 +182,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
             host wait); with False such rows give NaN (log-probability, entropy and gradient),
             on every path.
         chunk_size: rows of logits per forward chunk; vocab_chunk_size: vocabulary columns per
-            backward chunk (defaults: ``vocab_chunks.CHUNK_BYTES`` of logits each).
+            backward chunk (defaults: ``chunk_bytes`` of logits each, ``configs/linear_losses.py``).
 
     Returns:
         ``logp [M]`` float32, or ``(logp, entropy)`` with ``return_entropy``. Differentiable in
@@ -199,8 +191,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     """
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     temperature = check_temperature(temperature)
     check_chunk_size("chunk_size", chunk_size)
     check_chunk_size("vocab_chunk_size", vocab_chunk_size)
@@ -210,6 +201,10 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                                                    ignore_index=ignore_index, check_targets=check_targets,
                                                    compute_dtype=compute)
     else:
-        logp, entropy = LOG_PROBS(hidden, weight, target, bias, temperature, return_entropy, ignore_index,
-                                  check_targets, chunk_size, vocab_chunk_size)
+        grad_on = torch.is_grad_enabled()
+        need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                grad_on and bias is not None and bias.requires_grad)
+        options = LogProbsOptions(temperature, return_entropy, ignore_index, check_targets, chunk_size,
+                                  vocab_chunk_size, need)
+        logp, entropy = LOG_PROBS(hidden, weight, target, bias, options)
     return (logp, entropy) if return_entropy else logp

@@ -23,28 +23,45 @@ chunks. Matmuls: 4 (student and teacher logits, two gradients), as Liger's Fused
 
 The weight gradient is summed over chunks in fp32 (``accum_dtype=torch.float32``, a
 ``[V, Hs]`` fp32 buffer during the forward) or in the weight's dtype (``accum_dtype=None``:
-half the memory, one rounding per chunk).
+half the memory, one rounding per chunk); with ``memory="low"`` it goes over vocabulary chunks
+instead, each one matmul over all rows (2 more matmuls, no accumulator).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .. import reference
-from ._launch import cdiv, launch, pointer, use_kernels
-from ._triton import tl, triton
-from .cross_entropy import REDUCTIONS, check_target, count_rows, finish_target_check, start_target_check
-from .linear_cross_entropy import grads_fake, head_loss_ops
-from .log_probs import check_chunk_size, check_temperature
-from .vocab_chunks import CHUNK_BYTES, accumulate_mm, aligned_cols, check_head, chunk_rows
+from ... import reference
+from .._launch import cdiv, launch, pointer, use_kernels
+from .._triton import tl, triton
+from ..configs.linear_losses import DEFAULT_CONFIG
+from .base import (DEFAULT_MEMORY, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
+                   check_reduction, check_target, check_temperature, chunk_rows, count_rows, finish_target_check,
+                   grads_fake, head_loss_ops, start_target_check)
 
 KINDS = reference.DISTILL_KINDS
 _KIND_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's KIND
-BLOCK_V = 4096
-NUM_WARPS = 8
-MEMORY_MODES = ("low", "fast")
-LOW_MEMORY_CHUNK_BYTES = 64 * 2**20  # memory="low": logits of a chunk of each model
+
+
+class DistillOptions(NamedTuple):
+    """The options of a ``linear_distill_loss`` call, named once: the custom ops' schemas and the
+    autograd context are made of these fields."""
+
+    kind: str  # one of KINDS
+    beta: float
+    temperature: float
+    ignore_index: int
+    reduction: str
+    check: bool  # check_targets
+    chunk_size: Optional[int]
+    accum_dtype: Optional[torch.dtype]
+    need: tuple[bool, ...]  # which of student_hidden and student_weight want a gradient
+    memory: str
+
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
@@ -184,9 +201,11 @@ def _distill_block_kernel(S, TT, STATS, TGT, SCALE, N, stride_s, stride_t, strid
     tl.store(S + row * stride_s + cols, g.to(S.dtype.element_ty), mask=cols < N)
 
 
-def _kernel_flags(kind: str, target, scale) -> dict:
-    """The constexprs the two kernels share."""
-    return dict(KIND=_KIND_CODES[kind], HAS_TARGET=target is not None, HAS_SCALE=scale is not None)
+def _kernel_flags(options: DistillOptions, target, scale) -> dict:
+    """The constexprs the two kernels share, and the kernels' launch."""
+    kernel = DEFAULT_CONFIG.distill
+    return dict(KIND=_KIND_CODES[options.kind], HAS_TARGET=target is not None, HAS_SCALE=scale is not None,
+                num_warps=kernel.num_warps)
 
 
 def _scale_stride(scale: Optional[torch.Tensor]) -> int:
@@ -194,9 +213,8 @@ def _scale_stride(scale: Optional[torch.Tensor]) -> int:
     return 0 if scale is None or scale.dim() == 0 else scale.stride(0)
 
 
-def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, *,
-             kind: str, beta: float, temperature: float, ignore_index: int, chunk: int, grads=(None, None),
-             scale=None, grad: bool = False):
+def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats,
+             options: DistillOptions, *, chunk: int, grads=(None, None), scale=None, grad: bool = False):
     """The row-chunk loop: ``loss_rows [M]`` and ``stats [3, M]``; with ``grad`` also ``grads =
     (grad_hidden [M, Hs], grad_weight accumulator [V, Hs])`` (each optional) for the upstream
     ``scale`` (None: 1; a 0-d or ``[M]`` fp32 tensor)."""
@@ -214,16 +232,16 @@ def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, tar
         row_target = None if target is None else target[a:b]
         launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b], pointer(row_target, loss_rows),
                pointer(row_scale, loss_rows), v, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(row_scale),
-               ignore_index, 1.0 / temperature, beta, GRAD=grad, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
-               **_kernel_flags(kind, target, row_scale))
+               options.ignore_index, 1.0 / options.temperature, options.beta, GRAD=grad,
+               BLOCK_V=DEFAULT_CONFIG.distill.block_v, **_kernel_flags(options, target, row_scale))
         if grad and grad_hidden is not None:
             torch.mm(s, student_weight, out=grad_hidden[a:b])
         if grad and grad_weight is not None:
             accumulate_mm(grad_weight, s.t(), student_hidden[a:b])
 
 
-def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats, scale, *,
-                          chunk: int, kind: str, beta: float, temperature: float, ignore_index: int):
+def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats, scale,
+                          options: DistillOptions, *, chunk: int):
     """``memory="low"``: the student's weight gradient over vocabulary chunks of a row chunk's
     worth of logits (``chunk * V / M`` columns, aligned), from the row statistics: both models'
     logits ``[M, Cv]`` recomputed, the gradient written over the student's, ``grad_weight[v] =
@@ -232,6 +250,7 @@ def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teache
     if m == 0:  # no rows: a zero gradient (and no chunk width to derive from M)
         return torch.zeros_like(student_weight, memory_format=torch.contiguous_format)
     cols = aligned_cols(max(1, chunk * v // m), v)
+    block = DEFAULT_CONFIG.distill.block_v
     grad_weight = torch.empty_like(student_weight, memory_format=torch.contiguous_format)
     s_buf = torch.empty(m * cols, dtype=student_hidden.dtype, device=student_hidden.device)
     t_buf = torch.empty(m * cols, dtype=teacher_hidden.dtype, device=teacher_hidden.device)
@@ -240,10 +259,10 @@ def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teache
         s, t = s_buf[: m * n].view(m, n), t_buf[: m * n].view(m, n)  # contiguous: cuBLAS writes them in place
         torch.mm(student_hidden, student_weight[v0:v0 + n].t(), out=s)
         torch.mm(teacher_hidden, teacher_weight[v0:v0 + n].t(), out=t)
-        launch(_distill_block_kernel, (m, cdiv(n, BLOCK_V)), s, t, stats, pointer(target, stats),
+        launch(_distill_block_kernel, (m, cdiv(n, block)), s, t, stats, pointer(target, stats),
                pointer(scale, stats), n, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(scale),
-               ignore_index, 1.0 / temperature, beta, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
-               **_kernel_flags(kind, target, scale))
+               options.ignore_index, 1.0 / options.temperature, options.beta, BLOCK=block,
+               **_kernel_flags(options, target, scale))
         torch.mm(s.t(), student_hidden, out=grad_weight[v0:v0 + n])
     return grad_weight
 
@@ -259,96 +278,81 @@ def _reduce(loss_rows, target, ignore_index: int, reduction: str, count=None):
     return total / count
 
 
-def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale, *, kind: str,
-           beta: float, temperature: float, ignore_index: int, chunk_size: Optional[int],
-           accum_dtype: Optional[torch.dtype], memory: str, need: tuple):
+def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
+           options: DistillOptions, need: tuple):
     """(grad_hidden, grad_weight) each None unless ``need``-ed, for the upstream ``scale``
     (None: 1), writing ``loss_rows``: the row chunks (and, with ``memory="low"``, the
     vocabulary chunks for the weight gradient)."""
     m, v = student_hidden.shape[0], student_weight.shape[0]
-    low = memory == "low"
+    low = options.memory == "low"
     gh = torch.empty_like(student_hidden, memory_format=torch.contiguous_format) if need[0] else None
     gw = None
     if need[1] and not low:
-        gw = torch.zeros(student_weight.shape, dtype=accum_dtype or student_weight.dtype, device=student_weight.device)
+        gw = torch.zeros(student_weight.shape, dtype=options.accum_dtype or student_weight.dtype,
+                         device=student_weight.device)
     stats = torch.empty((3, m), dtype=torch.float32, device=student_hidden.device)
     size = max(student_hidden.element_size(), teacher_hidden.element_size())
-    chunk = chunk_rows(m, v, size, student_hidden.device, chunk_size, LOW_MEMORY_CHUNK_BYTES if low else CHUNK_BYTES)
-    options = dict(kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats, chunk=chunk,
-             grads=(gh, gw), scale=scale, grad=gh is not None or gw is not None, **options)
+    chunk = chunk_rows(m, v, size, student_hidden.device, options.chunk_size,
+                       DEFAULT_CONFIG.low_memory_chunk_bytes if low else DEFAULT_CONFIG.chunk_bytes)
+    tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight, target)
+    _chunked(*tensors, loss_rows, stats, options, chunk=chunk, grads=(gh, gw), scale=scale,
+             grad=gh is not None or gw is not None)
     if need[1] and low:
-        gw = _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats,
-                                   scale, chunk=chunk, **options)
+        gw = _weight_grad_by_vocab(*tensors, stats, scale, options, chunk=chunk)
     return gh, (None if gw is None else gw.to(student_weight.dtype))
 
 
-def _distill_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind: str, beta: float,
-                     temperature: float, ignore_index: int, reduction: str, chunk_size: Optional[int],
-                     accum_dtype: Optional[torch.dtype], need: tuple, memory: str, check: bool = True):
+def _distill_forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                     teacher_weight: torch.Tensor, target: Optional[torch.Tensor],
+                     options: DistillOptions) -> Outputs:
     """Returns (loss, grad_hidden, grad_weight): the gradients (each None unless ``need``-ed, and
     only for reductions other than ``"none"``) for an upstream gradient of 1."""
     m, v = student_hidden.shape[0], student_weight.shape[0]
     dev = student_hidden.device
-    pending = start_target_check(target, v, ignore_index) if check and target is not None else None
+    ignore_index, reduction = options.ignore_index, options.reduction
+    pending = start_target_check(target, v, ignore_index) if options.check and target is not None else None
     loss_rows = torch.empty(m, dtype=torch.float32, device=dev)
-    fused = reduction != "none" and any(need)
+    fused = reduction != "none" and any(options.need)
     count = scale = None
     if fused and reduction == "mean":
-        count = (torch.full((), m, dtype=torch.int64, device=dev) if target is None else count_rows(target, ignore_index))
+        count = torch.full((), m, dtype=torch.int64, device=dev) if target is None else count_rows(target, ignore_index)
         scale = 1.0 / count.to(torch.float32)
-    gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
-                    kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
-                    accum_dtype=accum_dtype, memory=memory, need=need if fused else (False, False))
+    gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale, options,
+                    options.need if fused else (False, False))
     finish_target_check(pending, target, v, ignore_index)
     return _reduce(loss_rows, target, ignore_index, reduction, count), gh, gw
 
 
-def _distill_backward_launcher(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target,
-                               kind: str, beta: float, temperature: float, ignore_index: int,
-                               chunk_size: Optional[int], accum_dtype: Optional[torch.dtype], need: tuple,
-                               memory: str):
+def _distill_backward_launcher(grad: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                               teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                               target: Optional[torch.Tensor], options: DistillOptions) -> Grads:
     """Backward of ``reduction="none"`` (``grad [M]``): recompute both models' chunks."""
     loss_rows = torch.empty(student_hidden.shape[0], dtype=torch.float32, device=student_hidden.device)
     return _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows,
-                  grad.to(torch.float32), kind=kind, beta=beta, temperature=temperature, ignore_index=ignore_index,
-                  chunk_size=chunk_size, accum_dtype=accum_dtype, memory=memory, need=tuple(need))
+                  grad.to(torch.float32), options, options.need)
 
 
 # --------------------------------------------------------------------------------------------
 # registration: eager autograd and torch.compile custom ops (llmkernels::linear_distill_fwd /
-# _bwd), as linear_cross_entropy's: with "mean" and "sum" the gradients are formed in the forward.
+# _bwd), the gradients formed in the forward unless the reduction is "none" (base/head.py).
 # --------------------------------------------------------------------------------------------
-def _distill_fake(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-                  ignore_index, reduction, chunk_size, accum_dtype, need, memory, check=True):
-    fused = reduction != "none"
+def _distill_fake(student_hidden, student_weight, teacher_hidden, teacher_weight, target, options: DistillOptions):
+    fused = options.reduction != "none"
     loss = student_hidden.new_empty(() if fused else (student_hidden.shape[0],), dtype=torch.float32)
-    return loss, *grads_fake((student_hidden, student_weight), [fused and n for n in need])
+    return loss, *grads_fake((student_hidden, student_weight), [fused and n for n in options.need])
 
 
-def _distill_kept_for_none(inputs, outputs):
-    (student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature, ignore_index,
-     reduction, chunk_size, accum_dtype, need, memory, check) = inputs
-    return ((student_hidden, student_weight, teacher_hidden, teacher_weight, target),
-            (kind, beta, temperature, ignore_index, chunk_size, accum_dtype, need, memory))
+def _distill_backward_fake(grad, student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                           options: DistillOptions):
+    return grads_fake((student_hidden, student_weight), options.need)
 
 
 DISTILL, DISTILL_FUSED = head_loss_ops(
-    "linear_distill", kept_for_none=_distill_kept_for_none, reduction_at=9, need_at=12, grads_from=1,
+    "linear_distill", kept_for_none=lambda tensors, outputs: tensors,
     once="linear_distill_loss formed its gradients in the forward and scales them in place: backward can run "
          "through it only once (retain_graph is not supported)",
     forward=_distill_forward, grad_inputs=(0, 1), returns=1, fake=_distill_fake,
-    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
-           "Tensor? target, str kind, float beta, float temperature, SymInt ignore_index, str reduction, "
-           "SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, str memory, bool check=True) -> (Tensor, Tensor, "
-           "Tensor)",
-    backward_launcher=_distill_backward_launcher,
-    backward_fake=lambda grad, student_hidden, student_weight, *options: grads_fake((student_hidden, student_weight),
-                                                                                    options[-2]),
-    backward_schema="(Tensor grad, Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, "
-                    "Tensor teacher_weight, Tensor? target, str kind, float beta, float temperature, "
-                    "SymInt ignore_index, SymInt? chunk_size, ScalarType? accum_dtype, bool[] need, "
-                    "str memory) -> (Tensor, Tensor)")
+    backward_launcher=_distill_backward_launcher, backward_fake=_distill_backward_fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +361,7 @@ DISTILL, DISTILL_FUSED = head_loss_ops(
 def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
                         teacher_weight: torch.Tensor, target: Optional[torch.Tensor] = None, *, kind: str = "jsd",
                         beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
-                        reduction: str = "mean", chunk_size: Optional[int] = None, memory: str = "low",
+                        reduction: str = "mean", chunk_size: Optional[int] = None, memory: str = DEFAULT_MEMORY,
                         accum_dtype: Optional[torch.dtype] = torch.float32, check_targets: bool = True):
     """Distillation loss between a student's and a teacher's LM-head distributions, without
     either ``[M, V]`` logits (see the module docstring for the losses and their gradients).
@@ -374,11 +378,13 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
             ``"reverse_kl"`` KL(student || teacher).
         temperature: both models' logits are divided by it (the loss is not rescaled by T^2).
         reduction: ``"mean"`` (over the rows not ignored), ``"sum"`` or ``"none"`` (``[M]``).
-        chunk_size: rows per chunk (default: ``LOW_MEMORY_CHUNK_BYTES`` of logits per model, or
-            ``vocab_chunks.CHUNK_BYTES`` with ``memory="fast"``).
-        memory: ``"low"`` (default): the weight gradient over vocabulary chunks, each one matmul
-            summed in fp32 by cuBLAS (no accumulator; 2 more matmuls); ``"fast"``: summed over
-            the row chunks in an ``accum_dtype`` ``[V, Hs]`` buffer (module docstring).
+        chunk_size: rows per chunk (default: ``chunk_bytes`` of logits per model, or
+            ``low_memory_chunk_bytes`` with ``memory="low"``: ``configs/linear_losses.py``).
+        memory: ``"fast"`` (default): the weight gradient summed over the row chunks in an
+            ``accum_dtype`` ``[V, Hs]`` buffer; ``"low"``: over vocabulary chunks, each one
+            matmul summed in fp32 by cuBLAS (no accumulator; 2 more matmuls; module docstring).
+            The linear losses share the default ``"fast"``: the faster path, and the one an LM's
+            training step takes; ``"low"`` is the choice of a run bound by memory.
         accum_dtype: ``memory="fast"``'s weight-gradient sum: float32 (default) or None (the
             weight's dtype: half the memory, one rounding per chunk).
         check_targets: raise ValueError for a target outside ``[0, V)`` that is not
@@ -408,15 +414,9 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         raise ValueError(f"beta must be a number in (0, 1) for kind='jsd' (0 and 1 make it 0: use 'forward_kl' or "
                          f"'reverse_kl'), got {beta!r}")
     temperature = check_temperature(temperature)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    check_chunk_size("chunk_size", chunk_size)
-    if accum_dtype not in (None, torch.float32):
-        raise ValueError(f"accum_dtype must be torch.float32 or None, got {accum_dtype!r}")
-    if memory not in MEMORY_MODES:
-        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
+    check_ignore_index(ignore_index)
+    check_reduction(reduction)
+    check_chunking(chunk_size, accum_dtype, memory)
     beta = float(beta)
     if not use_kernels(student_hidden) or torch.float64 in (student_hidden.dtype, teacher_hidden.dtype):
         compute = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
@@ -426,7 +426,8 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
                                              check_targets=check_targets, compute_dtype=compute)
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
     grad_on = torch.is_grad_enabled()
-    need = [grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad]
+    need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad)
+    options = DistillOptions(kind, beta, temperature, ignore_index, reduction, check_targets, chunk_size, accum_dtype,
+                             need, memory)
     op = DISTILL if reduction == "none" else DISTILL_FUSED
-    return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, kind, beta, temperature,
-              ignore_index, reduction, chunk_size, accum_dtype, need, memory, check_targets)[0]
+    return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, options)[0]

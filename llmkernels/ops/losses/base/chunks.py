@@ -1,5 +1,5 @@
-"""Gradients of an LM-head loss over vocabulary chunks: exact weight gradients without an fp32
-``[V, H]`` accumulator.
+"""Chunks of an LM head's logits, and the gradients of a loss over vocabulary chunks: exact
+weight gradients without an fp32 ``[V, H]`` accumulator.
 
 For ``hidden [M, H]``, ``weight [V, H]`` and a loss whose gradient with respect to the logits
 row ``z = (hidden @ weight.T + bias) / temperature`` (soft-capped, optionally) is, per class k::
@@ -10,7 +10,7 @@ with ``p = exp(z - lse)`` and per-row coefficients ``A, B, C, D`` (``mu``: a per
 the columns ``v`` of a chunk give::
 
     logits[:, v] = hidden @ weight[v].T (+ bias[v])      cuBLAS, [M, Cv] in hidden's dtype
-    G[:, v] written over the logits                     ``_vocab_grad_kernel``
+    G[:, v] written over the logits                     ``vocab_grad_kernel``
     grad_weight[v] = G[:, v].T @ hidden                 one matmul over all M rows: cuBLAS sums in
                                                         fp32 and rounds once (no accumulator)
     grad_bias[v] = G[:, v] summed over rows             fp32
@@ -22,7 +22,8 @@ The coefficients of the losses built on this:
   - ``log p(target)`` and entropy (``linear_log_probs``) for upstream gradients ``g1, g2``:
     ``-g1, -g2, 0, -g1`` with ``mu = E_p[z]`` (d logp / dz = onehot - p,
     d H / dz = -p (z - E_p[z])).
-Rows whose target is ``ignore_index`` get a zero gradient.
+Rows whose target is ``ignore_index`` get a zero gradient. ``chunk_rows`` / ``chunk_cols`` cut
+the rows or the vocabulary into chunks of a number of bytes of logits (``configs/linear_losses.py``).
 """
 from __future__ import annotations
 
@@ -31,22 +32,15 @@ from typing import Optional
 
 import torch
 
-from ._launch import cdiv, check_tensor, launch, pointer
-from ._triton import tl, triton
-from .cross_entropy import softcapped, through_softcap
-
-# Bytes of the one [M, Cv] block of logits the loop holds: large enough for the three matmuls
-# of a chunk to run near cuBLAS's peak (Cv = 8192 at M = 16384 bf16), small beside the weight
-# gradient it produces.
-CHUNK_BYTES = 256 * 2**20
-BLOCK_V = 4096  # columns a program of the gradient kernel writes
-COLUMN_ALIGN = 128  # chunks of a multiple of 128 columns keep every row of a block 16-byte aligned for cuBLAS
-GRAD_WARPS = 8
+from ..._launch import cdiv, launch, pointer
+from ..._triton import tl, triton
+from ...configs.linear_losses import DEFAULT_CONFIG
+from .row_kernels import softcapped, through_softcap
 
 
 @triton.jit
-def _vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, inv_temp, softcap,
-                       HAS_B: tl.constexpr, HAS_C: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+def vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, inv_temp, softcap,
+                      HAS_B: tl.constexpr, HAS_C: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
     """``X [M, N]`` (columns ``v0 .. v0 + N`` of the logits) overwritten with ``G`` (module
     docstring); ``COEF [4, M]`` fp32 holds A, B, C, D. Grid: (M, cdiv(N, BLOCK))."""
     row = tl.program_id(0).to(tl.int64)
@@ -70,7 +64,7 @@ def _vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, in
 
 
 def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int] = None,
-               chunk_bytes: int = CHUNK_BYTES) -> int:
+               chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> int:
     """Rows per row chunk: ``chunk_bytes`` of ``[C, V]`` logits (at most a quarter of the free
     device memory), evened out so the last chunk is not a sliver; ``chunk_size`` overrides."""
     if m == 0:
@@ -80,14 +74,16 @@ def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_si
     return _fit(m, v, element_size, device, chunk_bytes)
 
 
-def chunk_cols(m: int, v: int, element_size: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> int:
+def chunk_cols(m: int, v: int, element_size: int, device: torch.device,
+               chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> int:
     """Columns per vocabulary chunk: ``chunk_bytes`` of ``[M, Cv]`` logits, likewise, aligned."""
     return aligned_cols(_fit(v, m, element_size, device, chunk_bytes), v)
 
 
 def aligned_cols(cols: int, v: int) -> int:
-    """``cols`` rounded up to a multiple of ``COLUMN_ALIGN`` (at most ``v``)."""
-    return min(v, cdiv(cols, COLUMN_ALIGN) * COLUMN_ALIGN)
+    """``cols`` rounded up to a multiple of ``column_align`` (at most ``v``)."""
+    align = DEFAULT_CONFIG.column_align
+    return min(v, cdiv(cols, align) * align)
 
 
 def _fit(n: int, other: int, element_size: int, device: torch.device, chunk_bytes: int) -> int:
@@ -138,6 +134,7 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     else:
         cols = cols or chunk_cols(m, v, hidden.element_size(), hidden.device)
         buffer = torch.empty(m * min(cols, v), dtype=hidden.dtype, device=hidden.device)
+        kernel = DEFAULT_CONFIG.vocab_grad
         for v0 in range(0, v, cols):
             n = min(v, v0 + cols) - v0
             block = buffer[: m * n].view(m, n)  # contiguous, so cuBLAS writes it in place
@@ -146,10 +143,10 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
                 torch.mm(hidden, w.t(), out=block)
             else:
                 torch.addmm(bias[v0:v0 + n], hidden, w.t(), out=block)
-            launch(_vocab_grad_kernel, (m, cdiv(n, BLOCK_V)), block, target, lse, pointer(mu, lse), coefs,
+            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, target, lse, pointer(mu, lse), coefs,
                    m, n, v0, block.stride(0), ignore_index, inv_temp, 1.0 if softcap is None else softcap,
-                   HAS_B=mu is not None, HAS_C=has_c, HAS_SOFTCAP=softcap is not None, BLOCK=BLOCK_V,
-                   num_warps=GRAD_WARPS)
+                   HAS_B=mu is not None, HAS_C=has_c, HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v,
+                   num_warps=kernel.num_warps)
             if need_w:
                 torch.mm(block.t(), hidden, out=grad_weight[v0:v0 + n])
             if need_b:
@@ -158,24 +155,3 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
                 accumulate_mm(grad_hidden, block, w)
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight,
             None if grad_bias is None else grad_bias.to(bias.dtype))
-
-
-def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: str = "bias", bias=None, *,
-               like: Optional[torch.Tensor] = None, like_name: str = "x") -> None:
-    """Raise TypeError/ValueError naming the argument unless ``hidden [M, H]`` and ``weight
-    [V, H]`` (V >= 1) are floating-point tensors of one dtype on one device (``like``'s, when
-    given) and ``bias`` is None or ``[V]`` of weight's dtype."""
-    check_tensor(hidden_name, hidden, like=like, like_name=like_name)
-    if hidden.dim() != 2:
-        raise ValueError(f"{hidden_name} must have shape [M, H], got {list(hidden.shape)}")
-    check_tensor(weight_name, weight, like=hidden, like_name=hidden_name)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
-        raise ValueError(f"{weight_name} must have shape [V, H] = [V, {hidden.shape[1]}] (H of {hidden_name}) "
-                         f"with V >= 1, got {list(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"{weight_name} dtype {weight.dtype} must equal {hidden_name} dtype {hidden.dtype}")
-    if bias is not None:
-        check_tensor(bias_name, bias, like=hidden, like_name=hidden_name)
-        if bias.shape != weight.shape[:1] or bias.dtype != weight.dtype:
-            raise ValueError(f"{bias_name} must have shape [{weight.shape[0]}] and dtype {weight.dtype}, "
-                             f"got {list(bias.shape)} {bias.dtype}")

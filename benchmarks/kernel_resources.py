@@ -36,13 +36,13 @@ FWD_CONFIGS = [  # (columns per program, num_warps, programs per SM)
 
 def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: int, stages: int, parts: int,
                            arch: int, forward: bool = False, per_sm: int = 1) -> dict:
-    """Compile ``_norm_bwd_split_kernel`` (``forward``: ``_norm_fwd_split_kernel`` with ``per_sm``
+    """Compile ``norm_bwd_split_kernel`` (``forward``: ``norm_fwd_split_kernel`` with ``per_sm``
     programs an SM, its registers capped as the launcher does) for
     ``sm_<arch>``; its registers and stack per thread and its shared memory per program."""
     ptr = "*" + dtype
     options = dict(num_warps=num_warps)
     if forward:
-        kernel = norm_forward._norm_fwd_split_kernel
+        kernel = norm_forward.norm_fwd_split_kernel
         types = dict(X=ptr, RES=ptr, W=ptr, B=ptr, Y=ptr, H=ptr, MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32",
                      N="i32", stride_x="i32", stride_res="i32", stride_y="i32", stride_h="i32", eps="fp32",
                      weight_offset="fp32")
@@ -51,7 +51,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                           EVEN=True, STAGES=stages)
         options["maxnreg"] = resident_registers(num_warps, per_sm)
     else:
-        kernel = norm_backward._norm_bwd_split_kernel
+        kernel = norm_backward.norm_bwd_split_kernel
         types = dict(X=ptr, W=ptr, DY=ptr, DH=ptr, DX=ptr, DRES=ptr, DW_PART="*fp32", DB_PART="*fp32",
                      MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32", N="i32", stride_x="i32", stride_dy="i32",
                      stride_dh="i32", stride_dx="i32", stride_dres="i32", weight_offset="fp32")

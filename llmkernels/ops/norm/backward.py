@@ -1,16 +1,16 @@
-"""The backward kernels: ``_norm_bwd_kernel`` (a persistent grid over row tiles, one pass or in
-column chunks after ``_norm_bwd_dots_kernel``), ``_norm_bwd_split_kernel`` (a row shared by
-programs that exchange its dot products) and ``_sum_partials_kernel`` (dW / dB from the
+"""The backward kernels: ``norm_bwd_kernel`` (a persistent grid over row tiles, one pass or in
+column chunks after ``norm_bwd_dots_kernel``), ``norm_bwd_split_kernel`` (a row shared by
+programs that exchange its dot products) and ``sum_partials_kernel`` (dW / dB from the
 programs' partials)."""
 from __future__ import annotations
 
 from .._rowsplit import collect, keep_packed, publish, row_slice
 from .._triton import tl, triton
-from .tile import _dy_terms, _sum_pair, _tile_x_hat
+from .tile import dy_terms, sum_pair, tile_x_hat
 
 
 @triton.jit
-def _norm_bwd_dots_kernel(
+def norm_bwd_dots_kernel(
     X, W, DY, MEAN, RSTD, DOTS,
     N, HEADS, stride_x, stride_dy, weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -50,7 +50,7 @@ def _tile_load(X, DY, tile, rows_per_head, HEADS, head, cols, col_mask, stride_x
 
 
 @triton.jit
-def _norm_bwd_kernel(
+def norm_bwd_kernel(
     X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, DOTS,
     rows_per_head, N, HEADS,
     stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
@@ -64,11 +64,11 @@ def _norm_bwd_kernel(
     (one head and column chunk: decode sizes), instead of partials, dW/dB themselves (DW_PART /
     DB_PART, their dtypes) for columns [p * DW_COLS, (p + 1) * DW_COLS) over every row: those
     need x and dy but not dx, so no program waits for another and no second launch sums
-    partials (``_sum_partials_kernel``, a launch more).
+    partials (``sum_partials_kernel``, a launch more).
 
     Grid: (programs, heads, column chunks). Program p of head h owns rows
     ``(i * HEADS + h)`` for ``i`` in tiles p, p + programs, ... With one column chunk the row
-    dot products are computed here; with several they come from ``_norm_bwd_dots_kernel``.
+    dot products are computed here; with several they come from ``norm_bwd_dots_kernel``.
     PREFETCH 1: a program issues its next tile's loads before it reduces the current one;
     k >= 2: Triton pipelines the row loop in k stages, its loads copied asynchronously into
     shared memory k - 1 tiles ahead (no registers held for them); 0: neither.
@@ -128,9 +128,9 @@ def _norm_bwd_kernel(
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
         elif not IS_RMS:  # LayerNorm's two row sums in one reduction (a tail's in another)
-            sum_xw, sum_w = _sum_pair(x_hat * wdy, wdy, 1)
+            sum_xw, sum_w = sum_pair(x_hat * wdy, wdy, 1)
             if TAIL_N:
-                t_sum_xw, t_sum_w = _sum_pair(t_x_hat * t_wdy, t_wdy, 1)
+                t_sum_xw, t_sum_w = sum_pair(t_x_hat * t_wdy, t_wdy, 1)
                 sum_xw += t_sum_xw
                 sum_w += t_sum_w
             mean_xw, mean_w = sum_xw / N, sum_w / N
@@ -172,8 +172,8 @@ def _bwd_tile_terms(x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_a
     """The one-pass backward on a tile's columns: x_hat, w * dy, the rows' rstd, the tile's mask
     and the dW / dB accumulators with this tile added."""
     mask = row_mask[:, None] & col_mask[None, :]
-    x_hat, rstd = _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
-    wdy, dw_acc, db_acc = _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    x_hat, rstd = tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
+    wdy, dw_acc, db_acc = dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     return x_hat, wdy, rstd, mask, dw_acc, db_acc
 
 
@@ -216,8 +216,8 @@ def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_t
         x, dy = x.to(tl.float32), dy.to(tl.float32)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
-        x_hat, _ = _tile_x_hat(x, rows, row_mask, row_mask[:, None] & col_mask[None, :], MEAN, RSTD, IS_RMS)
-        _, dw_acc, db_acc = _dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+        x_hat, _ = tile_x_hat(x, rows, row_mask, row_mask[:, None] & col_mask[None, :], MEAN, RSTD, IS_RMS)
+        _, dw_acc, db_acc = dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     _store_col_sums(DW, DB, cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
 
 
@@ -256,7 +256,7 @@ def _split_publish(x, dy, row, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN, RS
     """Publish a row slice's parts of the row dot products; returns the dW/dB accumulators."""
     x_hat, _ = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
     w = _split_weight(w, weight_offset, HAS_W, W_PACKED)
-    wdy, dw_acc, db_acc = _dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    wdy, dw_acc, db_acc = dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
     slot = SLOTS + (row * PARTS + part) * 2
     publish(slot, tl.sum(x_hat * wdy, axis=0))
     if not IS_RMS:
@@ -288,7 +288,7 @@ def _split_write_dx(x, dy, row, w, weight_offset, SLOTS, idx, slot_mask, MEAN, R
 
 
 @triton.jit
-def _norm_bwd_split_kernel(
+def norm_bwd_split_kernel(
     X, W, DY, DH, DX, DRES, DW_PART, DB_PART, MEAN, RSTD, SLOTS,
     M, N,
     stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
@@ -366,7 +366,7 @@ def _norm_bwd_split_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def sum_partials_kernel(DW_PART, DB_PART, DW, DB, P, NCOLS, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """DW = the sum of the P rows of DW_PART [P, NCOLS] (fp32) in DW's dtype, DB likewise from
     DB_PART: the backward's per-program partials, one launch for both (fixed order)."""

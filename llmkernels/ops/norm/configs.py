@@ -57,7 +57,7 @@ def _check_tiles(config, n: int, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
-    """``_norm_fwd_kernel``: ``block_m`` rows a program of ``block_n`` columns, the whole row in
+    """``norm_fwd_kernel``: ``block_m`` rows a program of ``block_n`` columns, the whole row in
     registers (``one_pass``) or a row in ``block_n``-column chunks read twice."""
 
     block_m: int
@@ -78,7 +78,7 @@ class FwdConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SplitFwdConfig:
-    """``_norm_fwd_split_kernel``: a row shared by programs of ``block_n`` columns each,
+    """``norm_fwd_split_kernel``: a row shared by programs of ``block_n`` columns each,
     ``per_sm`` programs a multiprocessor (their registers capped so that all are resident)."""
 
     block_n: int
@@ -108,7 +108,7 @@ class SplitFwdConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-    """``_norm_bwd_kernel`` on a persistent grid: tiles of ``block_m`` rows of ``block_n``
+    """``norm_bwd_kernel`` on a persistent grid: tiles of ``block_m`` rows of ``block_n``
     columns (the whole row, or a column chunk after the row dot products' own pass)."""
 
     block_m: int
@@ -134,7 +134,7 @@ class BwdConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SplitBwdConfig:
-    """``_norm_bwd_split_kernel``: a row shared by programs of ``block_n`` columns each, one a
+    """``norm_bwd_split_kernel``: a row shared by programs of ``block_n`` columns each, one a
     multiprocessor."""
 
     block_n: int

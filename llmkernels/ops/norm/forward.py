@@ -1,14 +1,14 @@
-"""The forward kernels: ``_norm_fwd_kernel`` (whole rows a program, or a row in column chunks
-read twice) and ``_norm_fwd_split_kernel`` (a row shared by programs that exchange its sums)."""
+"""The forward kernels: ``norm_fwd_kernel`` (whole rows a program, or a row in column chunks
+read twice) and ``norm_fwd_split_kernel`` (a row shared by programs that exchange its sums)."""
 from __future__ import annotations
 
 from .._rowsplit import collect, collect_pair, keep_packed, publish, publish_pair, row_slice
 from .._triton import tl, triton
-from .tile import _load_wb, _scale_shift, _shifted_var, _sum_pair
+from .tile import load_wb, scale_shift, shifted_var, sum_pair
 
 
 @triton.jit
-def _norm_fwd_kernel(
+def norm_fwd_kernel(
     X, RES, W, B, Y, H, MEAN, RSTD,
     M, N, HEADS,
     stride_x, stride_res, stride_y, stride_h,
@@ -68,15 +68,15 @@ def _norm_fwd_kernel(
             # cancel when |mean| >> std.
             shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
             xs = tl.where(mask, x - shift[:, None], 0.0)
-            sum_shifted, sum_sq = _sum_pair(xs, xs * xs, 1)
+            sum_shifted, sum_sq = sum_pair(xs, xs * xs, 1)
             if TAIL_N:
                 t_xs = tl.where(t_mask, t_x - shift[:, None], 0.0)
-                t_sum_shifted, t_sum_sq = _sum_pair(t_xs, t_xs * t_xs, 1)
+                t_sum_shifted, t_sum_sq = sum_pair(t_xs, t_xs * t_xs, 1)
                 sum_shifted += t_sum_shifted
                 sum_sq += t_sum_sq
             mean_shifted = sum_shifted / N
             mean = shift + mean_shifted
-            rstd = tl.rsqrt(_shifted_var(mean_shifted, sum_sq / N) + eps)
+            rstd = tl.rsqrt(shifted_var(mean_shifted, sum_sq / N) + eps)
             x = xs - mean_shifted[:, None]  # x - mean, from xs: x itself need not stay live
             if TAIL_N:
                 t_x = t_xs - mean_shifted[:, None]
@@ -116,7 +116,7 @@ def _norm_fwd_kernel(
         else:
             mean_shifted = tl.sum(acc_sum, axis=1) / N
             mean = shift + mean_shifted
-            var = _shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
+            var = shifted_var(mean_shifted, tl.sum(acc_sq, axis=1) / N)
         rstd = tl.rsqrt(var + eps)
         if STORE_STATS:
             _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)
@@ -130,8 +130,8 @@ def _norm_fwd_kernel(
             else:
                 x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                             eviction_policy="evict_first").to(tl.float32)
-            w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-            y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
+            w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+            y = scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
                              QUANTIZE)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -146,7 +146,7 @@ def _fwd_tile_in(X, RES, H, W, B, row0, in_tile, w_row, cols, mask, stride_x, st
     w = 0.0
     b = 0.0
     if EARLY_W:
-        w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+        w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
     if HAS_RES:
         r = tl.load(RES + row0 * stride_res + (in_tile * stride_res + cols[None, :]), mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(in_ty)
@@ -161,8 +161,8 @@ def _fwd_tile_out(Y, W, B, x_centred, w, b, rstd, row0, in_tile, w_row, cols, ma
                   EARLY_W: tl.constexpr):
     """y of a one-pass tile's columns ``cols`` from x - mean (x for RMSNorm) and the rows' rstd."""
     if not EARLY_W:
-        w, b = _load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-    y = _scale_shift(x_centred * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+        w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
+    y = scale_shift(x_centred * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
     tl.store(Y + row0 * stride_y + (in_tile * stride_y + cols[None, :]), y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -175,7 +175,7 @@ def _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _norm_fwd_split_kernel(
+def norm_fwd_split_kernel(
     X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
     M, N,
     stride_x, stride_res, stride_y, stride_h,
@@ -210,7 +210,7 @@ def _norm_fwd_split_kernel(
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     in_ty = H.dtype.element_ty if HAS_RES else X.dtype.element_ty
-    w, b = _load_wb(W, B, cols, mask, HAS_W, HAS_B)
+    w, b = load_wb(W, B, cols, mask, HAS_W, HAS_B)
     slot_idx = tl.arange(0, PARTS_POW2)
     slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
@@ -284,7 +284,7 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.cons
         xs = x - shift
         if not EVEN:
             xs = tl.where(mask, xs, 0.0)
-        sum_sq, total = _sum_pair(xs * xs, xs, 0)
+        sum_sq, total = sum_pair(xs * xs, xs, 0)
         publish_pair(SLOT, sum_sq, total)
 
 
@@ -325,11 +325,11 @@ def _fwd_split_write(row, x, shift, part, SLOTS, slot_idx, slot_mask, w, b, Y, M
         var = tl.sum(sums_sq, axis=0) / N
     else:
         mean_shifted = tl.sum(sums, axis=0) / N
-        var = _shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
+        var = shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
         mean = shift + mean_shifted
         x = x - mean  # columns past N: not stored
     rstd = tl.rsqrt(var + eps)
     if STORE_STATS:
         _store_stats(MEAN, RSTD, row, part == 0, mean, rstd, IS_RMS)
-    y = _scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    y = scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")

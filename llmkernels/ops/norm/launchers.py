@@ -18,10 +18,10 @@ from .._device import model_of, tuned_of
 from .._launch import (Launcher, Plans, cdiv, device_of, fit_stages, launcher, next_pow2, persistent_programs,
                        pointer, row_stride)
 from .._rowsplit import resident_registers, split_grid
-from .backward import _norm_bwd_dots_kernel, _norm_bwd_kernel, _norm_bwd_split_kernel, _sum_partials_kernel
+from .backward import norm_bwd_dots_kernel, norm_bwd_kernel, norm_bwd_split_kernel, sum_partials_kernel
 from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
                       BackwardConfig, ForwardConfig, SplitBwdConfig, SplitFwdConfig, check_config)
-from .forward import _norm_fwd_kernel, _norm_fwd_split_kernel
+from .forward import norm_fwd_kernel, norm_fwd_split_kernel
 from .tables import NormKey, backward_config, forward_config
 
 
@@ -108,10 +108,10 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
     switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=quantize,
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
-        return launcher(_norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+        return launcher(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages,
                         num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
-    return launcher(_norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    return launcher(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
 
@@ -124,9 +124,9 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
     the dW / dB columns and rows a step, where it sums them (decode sizes)."""
     switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=quantize)
     if isinstance(config, SplitBwdConfig):
-        return launcher(_norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+        return launcher(norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
-    return launcher(_norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
+    return launcher(norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
                     BLOCK_N=config.block_n, PREFETCH=stages, DW_COLS=dw_cols, DW_ROWS=dw_rows, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
 
@@ -226,7 +226,7 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
                         device)
     handle = _bwd_launcher(config, stages=stages, heads=heads, dw_cols=dw_cols,
                            dw_rows=min(next_pow2(m), max(1, DW_STEP_ELEMENTS // dw_cols)) if dw_cols else 1, **switches)
-    dots = None if config.one_pass else launcher(_norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=w_dtype is not None,
+    dots = None if config.one_pass else launcher(norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=w_dtype is not None,
                                                  PER_HEAD=heads > 1, BLOCK_N=DOTS_BLOCK_N, num_warps=DOTS_WARPS)
     return _with_sums(handle, (programs, heads, chunks), None, dots, 1 if dw_cols else programs, heads * n,
                       switches)
@@ -237,7 +237,7 @@ def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches:
     if partials == 1:
         return BwdPlan(handle, grid, slots, dots, 1, None, ())
     block_n = min(SUMS_BLOCK_N, next_pow2(columns))
-    sums = launcher(_sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
+    sums = launcher(sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
                     BLOCK_N=block_n, num_warps=SUMS_WARPS)
     return BwdPlan(handle, grid, slots, dots, partials, sums, (cdiv(columns, block_n),))
 

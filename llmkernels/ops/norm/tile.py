@@ -8,7 +8,7 @@ from .._triton import tl, triton
 
 
 @triton.jit
-def _shifted_var(mean_shifted, mean_sq_shifted):
+def shifted_var(mean_shifted, mean_sq_shifted):
     """A row's variance from the mean and mean square of its elements less a shift (the row's
     first element, so that the variance does not cancel when |mean| >> std), clamped at 0
     against rounding."""
@@ -23,7 +23,7 @@ def _add_pair(a0, b0, a1, b1):
 
 
 @triton.jit
-def _sum_pair(a, b, AXIS: tl.constexpr):
+def sum_pair(a, b, AXIS: tl.constexpr):
     """The sums of ``a`` and ``b`` along AXIS, in one reduction. (Triton's interpreter calls a
     tl.reduce combine function element by element in Python: a 257 x 5120 LayerNorm took two
     minutes in CI; there the two are summed by tl.sum, which it runs in NumPy.)"""
@@ -36,7 +36,7 @@ def _sum_pair(a, b, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+def load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     """The weight and bias tiles at ``w_offs`` (0.0 where absent), as stored. Loaded as full
     [BLOCK_M, BLOCK_N] tiles (rows repeat from L1): a broadcast [1, BLOCK_N] row measured 10-25%
     slower on H100 (a layout conversion per tile)."""
@@ -50,7 +50,7 @@ def _load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
 
 
 @triton.jit
-def _scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
+def scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
     """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama)."""
     if QUANTIZE:
@@ -64,7 +64,7 @@ def _scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
 
 
 @triton.jit
-def _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
               QUANTIZE: tl.constexpr):
     """Backward per tile: returns ``w * dy`` (for the row dot products and dx) and the dW / dB
     accumulators plus this tile's ``dy * q(x_hat)`` / ``dy`` (q: Llama's rounding)."""
@@ -81,7 +81,7 @@ def _dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.const
 
 
 @triton.jit
-def _tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS: tl.constexpr):
+def tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS: tl.constexpr):
     """x_hat of a tile of rows (fp32 ``x`` [BLOCK_M, BLOCK_N], 0 outside ``mask``) and the rows'
     rstd [BLOCK_M], from the forward's statistics."""
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)

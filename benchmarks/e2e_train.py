@@ -76,15 +76,28 @@ def init_distributed(device_type: str):
     return dist.get_rank(), world, device
 
 
-def shard_fsdp2(model):
-    """FSDP2: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head)."""
+def shard_fsdp2(model, reshard_after_forward: bool = True, head: bool = False, prefetch: int = 0):
+    """FSDP2: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head).
+
+    ``reshard_after_forward``: the decoder layers free their gathered parameters after the forward
+    (gathered again for the backward) or keep them (more memory, one all-gather a step fewer).
+    ``head``: the output head is a group of its own, which the fused loss reads outside the head's
+    forward (the weight is then a sharded DTensor there: ``llmkernels.parallel.sharded``).
+    ``prefetch``: each layer's forward (backward) also starts the all-gathers of the next (previous)
+    ``prefetch`` layers, beyond FSDP2's implicit one-ahead prefetch."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
-    for layer in model.model.layers:
-        fully_shard(layer)
+    layers = list(model.model.layers)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    if head:
+        fully_shard(model.get_output_embeddings(), reshard_after_forward=reshard_after_forward)
     fully_shard(model)
+    for i, layer in enumerate(layers if prefetch > 0 else ()):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + prefetch])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - prefetch):i][::-1])
     return model
 
 

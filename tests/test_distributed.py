@@ -1,4 +1,5 @@
-"""DDP and FSDP2 training of a patched model, the FSDP2 path of the end-to-end benchmark, and a
+"""DDP and FSDP2 training of a patched model (the FSDP2 head a group of its own, whose sharded
+weight the fused loss gathers; activation checkpointing), the FSDP2 path of the end-to-end benchmark, and a
 sequence-parallel DTensor RMSNorm, on 2 CPU processes with gloo (benchmarks/distributed_train.py
 --check): same losses, parameters and gradients as one process. The benchmark's --compare (scaling
 efficiency, loss agreement) on made-up results."""
@@ -26,7 +27,8 @@ def test_ddp_fsdp2_e2e_and_sequence_parallel_norm_match_one_process():
     proc = subprocess.run([sys.executable, SCRIPT, "--check", "--steps", "3", "--seq", "16"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    for check in ("ddp losses", "ddp params", "ddp grads", "fsdp2 losses", "fsdp2 params", "fsdp2 grads",
+    trained = ("ddp", "fsdp2", "fsdp2_head", "fsdp2_ckpt", "ddp_ckpt")
+    for check in (*(f"{mode} {kind}" for mode in trained for kind in ("losses", "params", "grads")),
                   "e2e fsdp2 losses", "sp_norm"):
         assert re.search(rf"^ *{check}: max rel diff .* ok$", proc.stdout, re.M), proc.stdout
 

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..parallel.sharded import gathered
 from ._launch import cdiv, launch, pointer, use_kernels
 from ._triton import tl, triton
 from .cross_entropy import REDUCTIONS, check_target, count_rows, finish_target_check, start_target_check
@@ -390,6 +391,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         and student_weight. With ``"mean"``/``"sum"`` the gradients are formed during the
         forward and the backward can run only once.
     """
+    student_weight, teacher_weight = gathered(student_weight), gathered(teacher_weight)
     check_head("student_hidden", student_hidden, "student_weight", student_weight)
     check_head("teacher_hidden", teacher_hidden, "teacher_weight", teacher_weight, like=student_hidden,
                like_name="student_hidden")

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import reference
+from ..parallel.sharded import gathered
 from ._launch import use_kernels
 from ._register import Op
 from .cross_entropy import (ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
@@ -296,6 +297,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
     the backward can run only once through this call.
     """
+    weight, bias = gathered(weight), gathered(bias)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)

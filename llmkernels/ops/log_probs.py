@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..parallel.sharded import gathered
 from ._launch import launch, pointer, use_kernels
 from ._register import Op
 from ._triton import tl, triton
@@ -197,6 +198,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         hidden, weight and bias for any upstream gradient of either output (the backward
         recomputes the logits).
     """
+    weight, bias = gathered(weight), gathered(bias)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

@@ -1,0 +1,2 @@
+"""Several processes: sharded weights at the fused losses (``sharded``) and the
+vocabulary-parallel cross-entropy of tensor parallelism (``vocab_parallel``)."""

@@ -76,6 +76,12 @@ def init_distributed(device_type: str):
     return dist.get_rank(), world, device
 
 
+def fsdp2_options(args) -> dict:
+    """shard_fsdp2's keyword arguments from the command line's FSDP2 flags."""
+    return {"reshard_after_forward": bool(args.reshard_after_forward), "head": bool(args.shard_head),
+            "prefetch": args.prefetch}
+
+
 def shard_fsdp2(model, reshard_after_forward: bool = True, head: bool = False, prefetch: int = 0):
     """FSDP2: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head).
 
@@ -180,7 +186,7 @@ def run_provider(args, rank: int = 0, world: int = 1, device=None) -> dict | Non
             print(report, flush=True)
         result["patched"], result["not_patched"] = report.patched, report.not_patched
     if world > 1:
-        shard_fsdp2(model)
+        shard_fsdp2(model, **fsdp2_options(args))
     step_model = torch.compile(model) if args.provider == "compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -348,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=int, default=400, help="seconds per provider subprocess")
+    p.add_argument("--reshard-after-forward", type=int, choices=(0, 1), default=1,
+                   help="FSDP2: the decoder layers free their gathered parameters after the forward (1) or keep "
+                        "them for the backward (0)")
+    p.add_argument("--prefetch", type=int, default=0, help="FSDP2: layers whose all-gathers each layer starts ahead "
+                   "(beyond FSDP2's implicit one; default %(default)s)")
+    p.add_argument("--shard-head", type=int, choices=(0, 1), default=0,
+                   help="FSDP2: the output head a group of its own (1) or in the root's (0)")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--out-dir", help="write the JSON into this folder as e2e-<device>-<K>gpu-<date>.json")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="compare result files of several process counts "
@@ -380,7 +393,10 @@ def run_all(args) -> dict:
         results["parallel"] = (f"FSDP2 over {args.nproc} processes: fully_shard on every decoder layer and the "
                                f"root, default policy; global batch {args.batch}, {args.batch // args.nproc} rows "
                                f"per process")
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + [f"--device={device_type}"]
+        results["fsdp2"] = fsdp2_options(args)
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + [
+        f"--device={device_type}", f"--reshard-after-forward={args.reshard_after_forward}",
+        f"--prefetch={args.prefetch}", f"--shard-head={args.shard_head}"]
     launcher = [sys.executable] if args.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     for provider in args.providers.split(","):

@@ -174,7 +174,7 @@ def _dtensor_rank(rank, world, device):
     x = (torch.randn(m, v, generator=g) * 2).to(device)
     target = torch.randint(0, v, (m,), generator=g).to(device)
     target[1] = -100
-    ref_loss, ref_grad = _reference(x, target, torch.tensor(1.0), label_smoothing=0.1)
+    ref_loss, ref_grad = _reference(x, target, torch.tensor(1.0, device=device), label_smoothing=0.1)
     for inplace in (False, True):
         xd = distribute_tensor(x.clone(), mesh, [Shard(1)]).requires_grad_()
         leaf = xd

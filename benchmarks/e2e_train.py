@@ -380,10 +380,15 @@ def parse_args(argv=None):
     return args
 
 
+def run_shape(args) -> dict:
+    """The model and run settings a result records (and ``compare`` matches runs on)."""
+    return {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq",
+                                          "batch", "warmup", "steps", "dtype")}
+
+
 def run_all(args) -> dict:
     device_type = resolve_device(args.device)
-    shape = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq",
-                                           "batch", "warmup", "steps", "dtype")}
+    shape = run_shape(args)
     env = environment(device_type, args.nproc)
     out = args.out or (args.out_dir and os.path.join(args.out_dir, result_name("e2e", env["device"], args.nproc,
                                                                                  env["date"])))

@@ -58,7 +58,7 @@ def _sharded_head_rank(rank, world, device, ckpt):
                         (torch.randn(m, generator=g) + 2).to(device)))
 
     def train(weight, proj, teacher_w, rows, dtype, average):
-        opt = torch.optim.AdamW([weight, proj], lr=1e-2)
+        opt = torch.optim.AdamW([weight, proj], lr=1e-3)
         losses = []
         for x, t, tx, adv in batches:
             opt.zero_grad()
@@ -227,7 +227,7 @@ def _linear_rank(rank, world, device):
     mesh = _mesh(world, device)
 
     def train(params, loss_of):
-        opt = torch.optim.AdamW(params, lr=1e-2)
+        opt = torch.optim.AdamW(params, lr=1e-3)
         losses = []
         for t in batches:
             opt.zero_grad()

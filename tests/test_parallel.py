@@ -81,8 +81,8 @@ def _sharded_head_rank(rank, world, device, ckpt):
     weight = torch.nn.Parameter(distribute_tensor(w0.to(device), mesh, [Shard(0)]))
     teacher_w = distribute_tensor(teacher_w0.to(device), mesh, [Shard(0)])  # frozen, sharded too
     proj = torch.nn.Parameter(proj0.to(device, copy=True))
-    losses = train(weight, proj, teacher_w, slice(rank * m // world, (rank + 1) * m // world), torch.float32,
-                   ddp_average)
+    mine = slice(rank * m // world, (rank + 1) * m // world)
+    losses = train(weight, proj, teacher_w, mine, torch.float32, ddp_average)
     for step, (got, ref) in enumerate(zip(losses, ref_losses)):
         dist.all_reduce(got)
         assert abs(got.item() / world - ref.item()) <= LOSS_RTOL * abs(ref.item()), (step, got.item() / world, ref)
@@ -90,6 +90,16 @@ def _sharded_head_rank(rank, world, device, ckpt):
     _close(proj.grad, ref_p.grad, GRAD_RTOL, "projection grad (last step)")
     _close(weight.full_tensor(), ref_w, GRAD_RTOL, f"weight after {STEPS} steps")
     _close(proj, ref_p, GRAD_RTOL, f"projection after {STEPS} steps")
+
+    # an fp64 sharded head with fp32 activations (as FSDP2's fp32 parameters with a lower param_dtype):
+    # cast, then gathered; the gradient reaches the fp64 shards
+    x, t = batches[0][0], batches[0][1]
+    ref_w = torch.nn.Parameter(w0.double().to(device))
+    llmkernels.linear_cross_entropy(x.double(), ref_w, t).backward()
+    master = torch.nn.Parameter(distribute_tensor(w0.double().to(device), mesh, [Shard(0)]))
+    llmkernels.linear_cross_entropy(x[mine], master, t[mine]).backward()
+    assert master.grad.dtype == torch.float64
+    _close(master.grad.full_tensor(), ref_w.grad, GRAD_RTOL, "fp64 head grad through fp32 activations")
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])

@@ -391,7 +391,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         and student_weight. With ``"mean"``/``"sum"`` the gradients are formed during the
         forward and the backward can run only once.
     """
-    student_weight, teacher_weight = gathered(student_weight), gathered(teacher_weight)
+    student_weight, teacher_weight = gathered(student_weight, student_hidden), gathered(teacher_weight, teacher_hidden)
     check_head("student_hidden", student_hidden, "student_weight", student_weight)
     check_head("teacher_hidden", teacher_hidden, "teacher_weight", teacher_weight, like=student_hidden,
                like_name="student_hidden")

@@ -297,7 +297,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
     the backward can run only once through this call.
     """
-    weight, bias = gathered(weight), gathered(bias)
+    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)

@@ -198,7 +198,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         hidden, weight and bias for any upstream gradient of either output (the backward
         recomputes the logits).
     """
-    weight, bias = gathered(weight), gathered(bias)
+    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

@@ -19,17 +19,21 @@ def is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
-def gathered(weight):
+def gathered(weight, like=None):
     """``weight`` itself, or for a DTensor its full value as a plain tensor on every rank.
 
     Differentiable: the gradient of the full value is taken as a partial of every rank (each
     rank's loss is its own share of the batch) and averaged into the shards (a reduce-scatter
     along sharded mesh dimensions, an all-reduce along replicated ones), as FSDP2 and DDP
     average the gradients of the parameters they manage. Ranks whose losses are equal (tensor
-    parallelism over the same tokens) get that one gradient. None stays None.
+    parallelism over the same tokens) get that one gradient. A DTensor of another floating dtype
+    than ``like`` (the activations) is cast to it before the gather, as FSDP2's mixed precision
+    (``param_dtype``) casts the parameters it gathers. None stays None.
     """
     if not is_dtensor(weight):
         return weight
     from torch.distributed.tensor import Partial
 
+    if like is not None and weight.dtype != like.dtype and weight.is_floating_point() and like.is_floating_point():
+        weight = weight.to(like.dtype)
     return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)

@@ -304,3 +304,30 @@ def _contract_rank(rank, world, device):
 
 def test_vocab_parallel_cross_entropy_contract():
     run_ranks(_contract_rank)
+
+
+def test_vocab_parallel_cross_entropy_in_one_process_is_cross_entropy(device):
+    # without torch.distributed initialized, one process holds the whole vocabulary
+    x = torch.randn(8, 3, 50, device=device) * 2
+    target = torch.randint(0, 50, (8, 3), device=device)
+    target[0, 1] = -100
+    ref = x.clone().requires_grad_()
+    want = llmkernels.cross_entropy(ref.flatten(0, 1), target.flatten(), reduction="none", label_smoothing=0.1)
+    want.backward(torch.arange(24.0, device=device))
+    mine = x.clone().requires_grad_()
+    got = llmkernels.vocab_parallel_cross_entropy(mine, target, reduction="none", label_smoothing=0.1)
+    assert got.shape == (8, 3)
+    got.backward(torch.arange(24.0, device=device).view(8, 3), retain_graph=True)
+    _close(got.flatten(), want.detach(), 1e-6, "loss")
+    _close(mine.grad, ref.grad, 1e-6, "grad")
+    mine.grad = None
+    got.backward(torch.arange(24.0, device=device).view(8, 3))  # the default keeps no state: again
+    _close(mine.grad, ref.grad, 1e-6, "grad, second backward")
+
+    logits = x.clone().requires_grad_()
+    written = logits * 1
+    loss = llmkernels.vocab_parallel_cross_entropy(written, target, inplace_backward=True)
+    loss.backward(retain_graph=True)
+    assert not torch.equal(written, logits)  # the gradient went over the logits
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()

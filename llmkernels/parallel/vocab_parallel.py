@@ -226,10 +226,11 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.x is None:
-            raise RuntimeError("vocab_parallel_cross_entropy: backward can run through a call only once")
         if ctx.inplace:
-            dx = ctx.x
+            if ctx.x is None:
+                raise RuntimeError("vocab_parallel_cross_entropy(inplace_backward=True) formed its gradient in the "
+                                   "forward and scales it in place: backward can run through it only once")
+            dx, ctx.x = ctx.x, None
             if use_kernels(dx) and dx.dtype != torch.float64:
                 scale_rows_(dx, grad)  # skips rows whose factor is 1 (loss.backward())
             else:
@@ -240,7 +241,6 @@ class _VocabParallelCE(torch.autograd.Function):
             scale = row_scales(grad, valid, in_range, count, ctx.opts, lse.dtype)
             dx = shard_grad(x, target, lse, scale, ctx.shard, ctx.opts,
                             out=torch.empty_like(x, memory_format=torch.contiguous_format))
-        ctx.x = None
         local_shape, spec = ctx.layout
         dx = dx.reshape(local_shape)
         if spec is not None:

@@ -69,8 +69,9 @@ def worker(args):
             os._exit(1)
         if result is not None:
             print("RESULT " + json.dumps(dict(result, batch=batch)), flush=True)
+        import torch
+        torch.compiler.reset()  # compiled code of the last model (and its memory) goes before the next model
         if device.type == "cuda":
-            import torch
             torch.cuda.empty_cache()
     e2e_train.exit_distributed()
 

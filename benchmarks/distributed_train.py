@@ -192,6 +192,7 @@ def check(args) -> int:
     """One process (single, e2e) and one torchrun of K (ddp, fsdp2, sp_norm, e2e); compare; print a
     table; nonzero exit on a mismatch."""
     ok, lines = True, []
+    trained = args.trained.split(",")
 
     def verdict(name, err, detail=""):
         nonlocal ok
@@ -204,7 +205,7 @@ def check(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         one, many = os.path.join(tmp, "one.json"), os.path.join(tmp, "many.json")
         failed = [(name, err) for name, err in (("one process", _launch(args, "single,e2e", 1, one)),
-                  (f"{args.nproc} processes", _launch(args, ",".join((*TRAINED, "sp_norm", "e2e")), args.nproc, many))) if err]
+                  (f"{args.nproc} processes", _launch(args, ",".join((*trained, "sp_norm", "e2e")), args.nproc, many))) if err]
         for name, err in failed:
             print(f"{name}: FAILED\n{err}")
         if failed:
@@ -219,7 +220,7 @@ def check(args) -> int:
         tensors = {**torch.load(_tensor_path(one)), **torch.load(_tensor_path(many))}
     summary = {}
     ref = results["single"]["losses"]
-    for mode in TRAINED:
+    for mode in trained:
         got = results[mode]["losses"]
         summary[mode] = {"losses": verdict(f"{mode} losses", _max_rel_diff(got, ref), f" {['%.5f' % v for v in got]}")}
         for kind in ("params", "grads"):
@@ -259,12 +260,16 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--trained", default=",".join(TRAINED), help="--check: the trained modes to compare with one "
+                   "process (default: all)")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--out", help="--check: the summary JSON; --mode: rank 0's results (and tensors beside, .pt)")
     p.add_argument("--out-dir", help="--check: write distributed-<device>-<K>gpu-<date>.json into this folder")
     args = p.parse_args()
     if args.mode and any(m not in MODES for m in args.mode.split(",")):
         p.error(f"--mode: expected some of {', '.join(MODES)}, got {args.mode!r}")
+    if any(m not in TRAINED for m in args.trained.split(",")):
+        p.error(f"--trained: expected some of {', '.join(TRAINED)}, got {args.trained!r}")
     if args.batch is None:
         world = args.nproc if args.check else int(os.environ.get("WORLD_SIZE", "1"))
         args.batch = world * -(-4 // world)

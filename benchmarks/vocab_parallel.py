@@ -83,7 +83,8 @@ def _step(provider, args, mesh, x, target, hidden, head_rows):
         return loss.detach(), grad, h.grad
     leaf = x.detach().requires_grad_()
     if provider in ("llmkernels", "llmkernels_inplace"):
-        logits = leaf * 1 if provider == "llmkernels_inplace" else leaf  # written over: not the leaf
+        # in place: a view of the leaf takes the gradient over the logits (as a head's output would), no copy
+        logits = leaf.view_as(leaf) if provider == "llmkernels_inplace" else leaf
         loss = llmkernels.vocab_parallel_cross_entropy(logits, target, group=group, vocab_size=args.vocab,
                                                        vocab_start=args.cols.start,
                                                        inplace_backward=provider == "llmkernels_inplace")

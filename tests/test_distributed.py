@@ -1,8 +1,9 @@
 """DDP and FSDP2 training of a patched model (the FSDP2 head a group of its own, whose sharded
-weight the fused loss gathers; activation checkpointing), the FSDP2 path of the end-to-end benchmark, and a
-sequence-parallel DTensor RMSNorm, on 2 CPU processes with gloo (benchmarks/distributed_train.py
---check): same losses, parameters and gradients as one process. The benchmark's --compare (scaling
-efficiency, loss agreement) on made-up results."""
+weight the fused loss gathers; activation checkpointing), the FSDP2 path of the end-to-end
+benchmark, and a sequence-parallel DTensor RMSNorm, on 2 CPU processes with gloo
+(benchmarks/distributed_train.py --check): same losses, parameters and gradients as one process.
+The benchmark's --compare (scaling efficiency, loss agreement) on made-up results; the
+vocabulary-parallel and FSDP2-scaling benchmarks on CPU (slow)."""
 import importlib.util
 import os
 import re
@@ -17,17 +18,24 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "distributed_train.py")
 
 
+def _script_env():
+    """The benchmark scripts' environment: the interpreter, one thread a process, this checkout first."""
+    return dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(ROOT), os.environ.get("PYTHONPATH")])))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs use torchrun on the multi-GPU machine")
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-def test_ddp_fsdp2_e2e_and_sequence_parallel_norm_match_one_process():
+@pytest.mark.parametrize("trained", [
+    ("ddp", "fsdp2", "fsdp2_ckpt"),  # fsdp2_ckpt: the head its own FSDP2 group and checkpointed layers
+    pytest.param(("fsdp2_head", "ddp_ckpt"), marks=pytest.mark.slow)], ids=["default", "more"])
+def test_ddp_fsdp2_e2e_and_sequence_parallel_norm_match_one_process(trained):
     # PYTHONPATH: the scripts import this checkout's llmkernels, whichever one is installed
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, SCRIPT, "--check", "--steps", "3", "--seq", "16"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, SCRIPT, "--check", "--steps", "3", "--seq", "16",
+                           f"--trained={','.join(trained)}"], env=_script_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    trained = ("ddp", "fsdp2", "fsdp2_head", "fsdp2_ckpt", "ddp_ckpt")
     for check in (*(f"{mode} {kind}" for mode in trained for kind in ("losses", "params", "grads")),
                   "e2e fsdp2 losses", "sp_norm"):
         assert re.search(rf"^ *{check}: max rel diff .* ok$", proc.stdout, re.M), proc.stdout
@@ -64,11 +72,6 @@ def test_e2e_compare_scaling_efficiency_and_loss_agreement():
     assert "losses_agree" not in rows[2, 16]
     bad = compare([one, _run(4, 8, 3600.0, [5.0, 4.91, 4.8])], loss_tol=5e-3)
     assert not bad["passed"] and bad["rows"][1]["max_abs_dloss_vs_1"] == pytest.approx(0.01)
-
-
-def _script_env():
-    return dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 @pytest.mark.slow

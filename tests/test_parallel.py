@@ -196,6 +196,14 @@ def _dtensor_rank(rank, world, device):
         _close(loss.double(), ref_loss, LOSS_RTOL, "DTensor loss")
         _close(leaf.grad.full_tensor().double(), ref_grad, GRAD_RTOL, "DTensor grad")
 
+    for logits, tgt, layout, match in (
+            (distribute_tensor(x, mesh, [Replicate()]), target, {}, "logits: a DTensor must be sharded"),
+            (distribute_tensor(x, mesh, [Shard(1)]), target, dict(vocab_size=v), "leave them None"),
+            (distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(target, mesh, [Shard(0)]), {},
+             "target: a DTensor must be replicated")):
+        with pytest.raises(ValueError, match=match):
+            llmkernels.vocab_parallel_cross_entropy(logits, tgt, **layout)
+
     # a ColwiseParallel head [B, S, V]: head and input gradients equal one process's, and torch's
     # loss_parallel gives the same loss
     head = torch.nn.Linear(h, v, bias=False).to(device)
@@ -290,6 +298,7 @@ def _contract_rank(rank, world, device):
     for kwargs, error, name in ((dict(reduction="avg"), ValueError, "reduction"),
                                 (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
                                 (dict(vocab_start=1.0), TypeError, "vocab_start"),
+                                (dict(vocab_size=-3), ValueError, "vocab_size"),
                                 (dict(vocab_start=30), ValueError, "vocab_start"),
                                 (dict(ignore_index=None), TypeError, "ignore_index")):
         with pytest.raises(error, match=name):

@@ -94,7 +94,7 @@ def _shard_grad_kernel(X, DX, T, LSE, SCALE, V, v0, stride_x, stride_dx, ignore_
 # --------------------------------------------------------------------------------------------
 # the two passes over the shard: kernels, or plain PyTorch
 # --------------------------------------------------------------------------------------------
-class Shard(NamedTuple):
+class VocabShard(NamedTuple):
     """Where a rank's logits lie: the group, its columns ``[start, start + width)`` of ``size``."""
 
     group: object
@@ -103,6 +103,8 @@ class Shard(NamedTuple):
 
 
 class Options(NamedTuple):
+    """A call's options, as the public function's arguments (``check``: check_targets)."""
+
     ignore_index: int
     reduction: str
     smoothing: float
@@ -110,7 +112,7 @@ class Options(NamedTuple):
     check: bool
 
 
-def shard_stats(logits: torch.Tensor, target: torch.Tensor, shard: Shard, opts: Options) -> torch.Tensor:
+def shard_stats(logits: torch.Tensor, target: torch.Tensor, shard: VocabShard, opts: Options) -> torch.Tensor:
     """``[M, 3]`` fp32: each row's logsumexp over the shard, its target's logit if the target is
     in the shard (else 0), and (label smoothing) the sum of its logits."""
     m, v = logits.shape
@@ -128,7 +130,7 @@ def shard_stats(logits: torch.Tensor, target: torch.Tensor, shard: Shard, opts: 
     return torch.stack((torch.logsumexp(z, 1), z_t, z_sum), 1)
 
 
-def shard_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, shard: Shard,
+def shard_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, shard: VocabShard,
                opts: Options, out: torch.Tensor) -> torch.Tensor:
     """Writes into ``out`` (may be ``logits``) the gradient of the rows' losses with respect to
     the shard, each row's times ``scale [M]`` fp32; returns ``out``."""
@@ -201,7 +203,7 @@ class _VocabParallelCE(torch.autograd.Function):
     Function, where autograd does not forbid writing into the view ``to_local`` returns."""
 
     @staticmethod
-    def forward(ctx, logits, target, shard: Shard, opts: Options, inplace: bool, loss_dtype: torch.dtype):
+    def forward(ctx, logits, target, shard: VocabShard, opts: Options, inplace: bool, loss_dtype: torch.dtype):
         local = logits.to_local() if is_dtensor(logits) else logits
         ctx.layout = (local.shape, (logits.device_mesh, logits.placements, logits.shape, logits.stride())
                       if is_dtensor(logits) else None)
@@ -253,8 +255,8 @@ class _VocabParallelCE(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def _dtensor_shard(t, name: str, dim: int) -> Shard:
-    """The Shard of a DTensor ``t`` sharded along ``dim`` (its vocabulary) on one mesh dimension
+def _dtensor_shard(t, name: str, dim: int) -> VocabShard:
+    """The VocabShard of a DTensor ``t`` sharded along ``dim`` (its vocabulary) on one mesh dimension
     and replicated on the others: ``ColwiseParallel``'s weight (dim 0), or its output with
     ``use_local_output=False`` (the last dim)."""
     from torch.distributed.tensor import Replicate
@@ -267,7 +269,7 @@ def _dtensor_shard(t, name: str, dim: int) -> Shard:
     mesh, mesh_dim = t.device_mesh, dims[0]
     v, k = t.shape[dim], mesh.size(mesh_dim)
     # DTensor's Shard splits as torch.chunk does: ceil(V / K) rows a rank, the last ones fewer.
-    return Shard(mesh.get_group(mesh_dim), min(mesh.get_local_rank(mesh_dim) * -(-v // k), v), v)
+    return VocabShard(mesh.get_group(mesh_dim), min(mesh.get_local_rank(mesh_dim) * -(-v // k), v), v)
 
 
 def _replicated_local(t, name: str, grad_placements=None):
@@ -282,13 +284,15 @@ def _replicated_local(t, name: str, grad_placements=None):
     return t.to_local(grad_placements=grad_placements)
 
 
-def _plain_shard(logits, group, vocab_start, vocab_size) -> Shard:
-    """The Shard of plain local logits: equal shards in rank order unless ``vocab_start`` /
+def _plain_shard(logits, group, vocab_start, vocab_size) -> VocabShard:
+    """The VocabShard of plain local logits: equal shards in rank order unless ``vocab_start`` /
     ``vocab_size`` say otherwise."""
     width = logits.shape[-1]
     for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise TypeError(f"{name} must be None or an int >= 0, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be None or an int, got {value!r}")
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     k = group_size(group)
     if vocab_start is None:
         import torch.distributed as dist
@@ -297,7 +301,7 @@ def _plain_shard(logits, group, vocab_start, vocab_size) -> Shard:
     if vocab_start + width > vocab_size:
         raise ValueError(f"vocab_start + the shard's width ({vocab_start} + {width}) exceeds vocab_size "
                          f"({vocab_size})")
-    return Shard(group, vocab_start, vocab_size)
+    return VocabShard(group, vocab_start, vocab_size)
 
 
 def _mark_overwritten(logits: torch.Tensor) -> None:
@@ -362,7 +366,7 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, check_targets) ->
 def _sharded_loss(logits: torch.Tensor, target, shard, opts: Options, inplace_backward: bool,
                   loss_dtype: Optional[torch.dtype] = None):
     """The loss of logits ``[..., V_k]`` (plain, or a DTensor whose ``shard`` is resolved) and
-    plain targets; ``shard``: a Shard, or ``(group, vocab_start, vocab_size)`` to resolve. In
+    plain targets; ``shard``: a VocabShard, or ``(group, vocab_start, vocab_size)`` to resolve. In
     ``loss_dtype`` (default the logits')."""
     with torch.no_grad():
         local = logits.to_local() if is_dtensor(logits) else logits
@@ -372,7 +376,7 @@ def _sharded_loss(logits: torch.Tensor, target, shard, opts: Options, inplace_ba
     lead = local.shape[:-1]
     check_target(target.reshape(-1) if isinstance(target, torch.Tensor) and target.shape == lead else target,
                  lead.numel(), local, "logits")
-    if not isinstance(shard, Shard):
+    if not isinstance(shard, VocabShard):
         shard = _plain_shard(local, *shard)
     inplace = bool(inplace_backward) and torch.is_grad_enabled() and logits.requires_grad
     if inplace:
@@ -432,7 +436,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         hidden = _replicated_local(hidden, "hidden", grad_placements=[Partial()] * hidden.device_mesh.ndim)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, check_targets)
-    group = shard.group if isinstance(shard, Shard) else group
+    group = shard.group if isinstance(shard, VocabShard) else group
     if reduce_grad and group_size(group) > 1:
         hidden = _SumGradOverGroup.apply(hidden, group)
     logits = torch.nn.functional.linear(hidden, weight, bias)

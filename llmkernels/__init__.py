@@ -23,7 +23,7 @@ _EXPORTS = {
     "linear_log_probs": ".ops.log_probs",
     "linear_distill_loss": ".ops.distill",
     "vocab_parallel_cross_entropy": ".parallel.vocab_parallel",
-    "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel",
+    "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel_linear",
     "RMSNorm": ".modules",
     "FusedAddRMSNorm": ".modules",
     "LayerNorm": ".modules",

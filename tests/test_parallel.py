@@ -231,51 +231,54 @@ def test_vocab_parallel_cross_entropy_of_dtensor_logits_and_colwise_parallel_hea
     run_ranks(_dtensor_rank)
 
 
-def _linear_rank(rank, world, device):
+def _linear_rank(rank, world, device, reduction, chunk_size):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     g = torch.Generator().manual_seed(4)
     m, h, v = 10, 12, 40
     w0, b0 = torch.randn(v, h, generator=g), torch.randn(v, generator=g)
     h0 = torch.randn(m, h, generator=g)
+    row_weights = (torch.rand(m, generator=g) + 0.5).to(device)  # reduction="none": an upstream gradient a row
     batches = [torch.randint(0, v, (m,), generator=g).to(device) for _ in range(STEPS)]
     for t in batches:
         t[2] = -100
     rows = slice(rank * v // world, (rank + 1) * v // world)
     mesh = _mesh(world, device)
+    options = dict(z_loss=1e-3, label_smoothing=0.1, reduction=reduction)
 
-    def train(params, loss_of):
+    def train(params, loss_fn, **layout):
         opt = torch.optim.AdamW(params, lr=1e-3)
         losses = []
         for t in batches:
             opt.zero_grad()
-            loss = loss_of(t)
+            loss = loss_fn(*params[:2], t, params[2], **layout, **options)
+            loss = (loss * row_weights.to(loss.dtype)).sum() if reduction == "none" else loss
             loss.backward()
             opt.step()
             losses.append(loss.item())
         return losses
 
     ref = [torch.nn.Parameter(p.double().to(device)) for p in (h0, w0, b0)]
-    ref_losses = train(ref, lambda t: llmkernels.linear_cross_entropy(*ref[:2], t, ref[2], z_loss=1e-3))
+    ref_losses = train(ref, llmkernels.linear_cross_entropy)
     plain = [torch.nn.Parameter(p.to(device, copy=True)) for p in (h0, w0[rows], b0[rows])]
-    losses = train(plain, lambda t: llmkernels.vocab_parallel_linear_cross_entropy(
-        *plain[:2], t, plain[2], z_loss=1e-3, vocab_start=rows.start, vocab_size=v))
-    dt = [torch.nn.Parameter(h0.to(device, copy=True))] + [torch.nn.Parameter(distribute_tensor(p.to(device), mesh, [Shard(0)]))
-                                                for p in (w0, b0)]
-    dt_losses = train(dt, lambda t: llmkernels.vocab_parallel_linear_cross_entropy(*dt[:2], t, dt[2], z_loss=1e-3))
+    losses = train(plain, llmkernels.vocab_parallel_linear_cross_entropy, vocab_start=rows.start, vocab_size=v,
+                   chunk_size=chunk_size)
+    dt = [torch.nn.Parameter(h0.to(device, copy=True))] + [
+        torch.nn.Parameter(distribute_tensor(p.to(device), mesh, [Shard(0)])) for p in (w0, b0)]
+    dt_losses = train(dt, llmkernels.vocab_parallel_linear_cross_entropy, chunk_size=chunk_size)
     for name, got in (("plain", losses), ("DTensor", dt_losses)):
         assert all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(got, ref_losses)), (name, got, ref_losses)
-    for name, got in (("hidden", (plain[0], dt[0])), ("weight", (plain[1], dt[1])), ("bias", (plain[2], dt[2]))):
-        i = ("hidden", "weight", "bias").index(name)
+    for i, name in enumerate(("hidden", "weight", "bias")):
         whole = slice(None) if i == 0 else rows
-        _close(got[0].detach(), ref[i].detach()[whole], GRAD_RTOL, f"plain {name} after {STEPS} steps")
-        _close(got[0].grad, ref[i].grad[whole], GRAD_RTOL, f"plain {name} grad")
-        _close(got[1].detach().full_tensor() if i else got[1].detach(), ref[i].detach(), GRAD_RTOL,
+        _close(plain[i].detach(), ref[i].detach()[whole], GRAD_RTOL, f"plain {name} after {STEPS} steps")
+        _close(plain[i].grad, ref[i].grad[whole], GRAD_RTOL, f"plain {name} grad")
+        _close(dt[i].detach().full_tensor() if i else dt[i].detach(), ref[i].detach(), GRAD_RTOL,
                f"DTensor {name} after {STEPS} steps")
 
 
-def test_vocab_parallel_linear_cross_entropy_trains_as_one_process():
-    run_ranks(_linear_rank)
+@pytest.mark.parametrize("reduction,chunk_size", [("mean", 3), ("sum", None), ("none", None)])
+def test_vocab_parallel_linear_cross_entropy_trains_as_one_process(reduction, chunk_size):
+    run_ranks(_linear_rank, reduction, chunk_size)
 
 
 def _contract_rank(rank, world, device):

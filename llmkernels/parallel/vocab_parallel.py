@@ -15,6 +15,7 @@ targets. No rank ever holds ``[M, V]``:
 
 Statistics are fp32 whatever the logits' dtype. Where the kernels cannot run (no Triton, a CPU
 tensor without the interpreter, float64) steps 1 and 3 are plain PyTorch with the same contract.
+The fused linear form (the head's rows sharded) builds on these steps: ``vocab_parallel_linear``.
 """
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ class _VocabParallelCE(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def _dtensor_shard(t, name: str, dim: int) -> VocabShard:
+def dtensor_shard(t, name: str, dim: int) -> VocabShard:
     """The VocabShard of a DTensor ``t`` sharded along ``dim`` (its vocabulary) on one mesh dimension
     and replicated on the others: ``ColwiseParallel``'s weight (dim 0), or its output with
     ``use_local_output=False`` (the last dim)."""
@@ -272,7 +273,7 @@ def _dtensor_shard(t, name: str, dim: int) -> VocabShard:
     return VocabShard(mesh.get_group(mesh_dim), min(mesh.get_local_rank(mesh_dim) * -(-v // k), v), v)
 
 
-def _replicated_local(t, name: str, grad_placements=None):
+def replicated_local(t, name: str, grad_placements=None):
     """The local tensor of ``t`` (a plain tensor as it is), which must be the same on every rank."""
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -284,10 +285,9 @@ def _replicated_local(t, name: str, grad_placements=None):
     return t.to_local(grad_placements=grad_placements)
 
 
-def _plain_shard(logits, group, vocab_start, vocab_size) -> VocabShard:
-    """The VocabShard of plain local logits: equal shards in rank order unless ``vocab_start`` /
-    ``vocab_size`` say otherwise."""
-    width = logits.shape[-1]
+def plain_shard(width: int, group, vocab_start, vocab_size) -> VocabShard:
+    """The VocabShard of this rank's ``width`` columns (of plain tensors): equal shards in rank order
+    unless ``vocab_start`` / ``vocab_size`` say otherwise."""
     for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be None or an int, got {value!r}")
@@ -344,26 +344,28 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         ``[M, 3]`` fp32 in the forward, none in the backward.
     """
     if is_dtensor(logits):
-        _no_layout_with_dtensor("logits", group, vocab_start, vocab_size)
-        shard = _dtensor_shard(logits, "logits", -1)
-        target = _replicated_local(target, "target")
+        check_no_layout("logits", group, vocab_start, vocab_size)
+        shard = dtensor_shard(logits, "logits", -1)
+        target = replicated_local(target, "target")
     else:
         shard = (group, vocab_start, vocab_size)
-    opts = _options(ignore_index, reduction, label_smoothing, z_loss, check_targets)
-    return _sharded_loss(logits, target, shard, opts, inplace_backward)
+    opts = loss_options(ignore_index, reduction, label_smoothing, z_loss, check_targets)
+    return sharded_loss(logits, target, shard, opts, inplace_backward)
 
 
-def _no_layout_with_dtensor(name: str, group, vocab_start, vocab_size) -> None:
+def check_no_layout(name: str, group, vocab_start, vocab_size) -> None:
+    """A DTensor ``name`` carries its layout: refuse one given beside it."""
     if group is not None or vocab_start is not None or vocab_size is not None:
         raise ValueError(f"group, vocab_start and vocab_size come from the mesh of a DTensor {name}: leave them None")
 
 
-def _options(ignore_index, reduction, label_smoothing, z_loss, check_targets) -> Options:
+def loss_options(ignore_index, reduction, label_smoothing, z_loss, check_targets) -> Options:
+    """The checked :class:`Options` of a call (ValueError / TypeError naming a bad one)."""
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, None)
     return Options(ignore_index, reduction, float(label_smoothing), float(z_loss), bool(check_targets))
 
 
-def _sharded_loss(logits: torch.Tensor, target, shard, opts: Options, inplace_backward: bool,
+def sharded_loss(logits: torch.Tensor, target, shard, opts: Options, inplace_backward: bool,
                   loss_dtype: Optional[torch.dtype] = None):
     """The loss of logits ``[..., V_k]`` (plain, or a DTensor whose ``shard`` is resolved) and
     plain targets; ``shard``: a VocabShard, or ``(group, vocab_start, vocab_size)`` to resolve. In
@@ -377,67 +379,9 @@ def _sharded_loss(logits: torch.Tensor, target, shard, opts: Options, inplace_ba
     check_target(target.reshape(-1) if isinstance(target, torch.Tensor) and target.shape == lead else target,
                  lead.numel(), local, "logits")
     if not isinstance(shard, VocabShard):
-        shard = _plain_shard(local, *shard)
+        shard = plain_shard(local.shape[-1], *shard)
     inplace = bool(inplace_backward) and torch.is_grad_enabled() and logits.requires_grad
     if inplace:
         _mark_overwritten(logits)
     loss = _VocabParallelCE.apply(logits, target.reshape(-1), shard, opts, inplace, loss_dtype or local.dtype)
     return loss.reshape(lead) if opts.reduction == "none" else loss
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity; the backward sums the gradient over the group: each rank's copy of the input
-    feeds only that rank's shard of the logits (Megatron's copy to the tensor-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                        bias: Optional[torch.Tensor] = None, *, group=None,
-                                        vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-                                        ignore_index: int = -100, reduction: str = "mean",
-                                        label_smoothing: float = 0.0, z_loss: float = 0.0,
-                                        check_targets: bool = True):
-    """``vocab_parallel_cross_entropy(hidden @ weight.T + bias, ...)`` with the head's rows sharded
-    over the vocabulary across ``group``: each rank multiplies by its own rows ``weight [V_k, H]``
-    (``bias [V_k]``); equal to ``llmkernels.linear_cross_entropy`` with the whole head.
-
-    The local ``[M, V_k]`` logits are materialized (one buffer, which then holds their gradient in
-    place), not chunked. ``hidden [M, H]`` is the same on every rank; its gradient is summed over
-    the group (one all-reduce of ``[M, H]`` in the backward), so that every rank gets the whole
-    one. ``weight`` (and ``bias``) may be DTensors sharded along dim 0 (``ColwiseParallel``'s), the
-    mesh then giving the group and the rows, and ``hidden`` a replicated DTensor (its gradient is
-    then left to DTensor to reduce). Other arguments: as in :func:`vocab_parallel_cross_entropy`.
-    Returns the loss in float32, equal on every rank.
-    """
-    from ..ops.vocab_chunks import check_head
-
-    shard = (group, vocab_start, vocab_size)
-    if is_dtensor(weight):
-        _no_layout_with_dtensor("weight", group, vocab_start, vocab_size)
-        shard = _dtensor_shard(weight, "weight", 0)
-        weight = weight.to_local()
-        if bias is not None:
-            _dtensor_shard(bias, "bias", 0)
-            bias = bias.to_local()
-    reduce_grad = not is_dtensor(hidden)
-    if not reduce_grad:  # DTensor reduces the partial gradients of its replicated input
-        from torch.distributed.tensor import Partial
-        hidden = _replicated_local(hidden, "hidden", grad_placements=[Partial()] * hidden.device_mesh.ndim)
-    check_head("hidden", hidden, "weight", weight, "bias", bias)
-    opts = _options(ignore_index, reduction, label_smoothing, z_loss, check_targets)
-    group = shard.group if isinstance(shard, VocabShard) else group
-    if reduce_grad and group_size(group) > 1:
-        hidden = _SumGradOverGroup.apply(hidden, group)
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    return _sharded_loss(logits, target, shard, opts, True, loss_dtype=torch.float32)

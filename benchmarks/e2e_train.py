@@ -21,7 +21,8 @@ activations). Losses of every step are recorded, so providers can be checked aga
 Several GPUs (``--nproc K``, K > 1): each provider runs under ``torchrun --nproc-per-node K`` with
 ``fully_shard`` (FSDP2, default policy: the parameters are bf16, so are the all-gathers and
 reduce-scatters) on every decoder layer and the root, applied after the provider's patch and
-before ``torch.compile``. ``--batch`` is the global batch: rank r trains rows
+before ``torch.compile``; ``--reshard-after-forward``, ``--prefetch`` and ``--shard-head`` set its
+knobs (recorded under ``fsdp2``). ``--batch`` is the global batch: rank r trains rows
 [r * batch / K, (r + 1) * batch / K) of the same random batches, so the mean of the ranks' losses
 is the one-GPU loss of that batch. tokens/s counts every rank's tokens; the JSON also gives it per
 GPU, the slowest rank's step time and every rank's peak memory. ``--compare`` reads the JSONs of

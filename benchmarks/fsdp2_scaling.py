@@ -4,7 +4,7 @@
   weak    ``--rows-per-gpu`` rows on every GPU: global batch rows-per-gpu * K (speed only: the
           batches differ).
   strong  ``--global-batch`` rows over the K GPUs (every step's loss must agree with one GPU's).
-At K = 1 one run serves both when rows-per-gpu equals the global batch (the default, 4 rows).
+At K = 1 one run serves both when rows-per-gpu equals the global batch (the default, 8 rows).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
     python benchmarks/fsdp2_scaling.py --out-dir $OUT                    # K = 1, 2, 4 as the GPUs allow
@@ -120,8 +120,9 @@ def main():
     p.add_argument("--gpus", default="1,2,4", help="process counts K (those above the GPUs present are skipped)")
     p.add_argument("--providers", default="llmkernels,hf,liger,compile",
                    help="liger is skipped when liger_kernel is not installed")
-    p.add_argument("--rows-per-gpu", type=int, default=4, help="weak scaling: rows (of --seq tokens) per GPU")
-    p.add_argument("--global-batch", type=int, default=4, help="strong scaling: rows over all GPUs")
+    p.add_argument("--rows-per-gpu", type=int, default=8, help="weak scaling: rows (of --seq tokens) per GPU")
+    p.add_argument("--global-batch", type=int, default=8, help="strong scaling: rows over all GPUs (8: as the "
+                   "two-GPU run of 2026-11-25)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reshard-after-forward", type=int, choices=(0, 1), default=1,

@@ -13,6 +13,10 @@ Modes (``--mode`` takes several, comma-separated, run one after another in the s
   ddp      DistributedDataParallel; each rank takes batch / world rows of every global batch.
   fsdp2    ``fully_shard`` on every decoder layer and the root (e2e_train.shard_fsdp2). FSDP2
            unshards the parameters before each forward, so the norm kernel sees plain tensors.
+  fsdp2_head  as fsdp2, with the output head a group of its own: the fused loss reads the head's
+           weight outside the head's forward, as a sharded DTensor (llmkernels.ops.losses.base.sharded).
+  fsdp2_ckpt  as fsdp2_head, with activation checkpointing of every decoder layer.
+  ddp_ckpt    as ddp, with activation checkpointing of every decoder layer.
   sp_norm  a patched RMSNorm whose input is a DTensor sharded along the sequence and whose
            weight is a replicated DTensor parameter: output and weight gradient vs one process.
   e2e      e2e_train.run_provider("llmkernels", --tiny, this global batch): one process, or FSDP2
@@ -40,7 +44,8 @@ import torch.distributed as dist
 import e2e_train
 from e2e_train import exit_distributed, init_distributed, shard_fsdp2
 
-MODES = ("single", "ddp", "fsdp2", "sp_norm", "e2e")
+MODES = ("single", "ddp", "fsdp2", "fsdp2_head", "fsdp2_ckpt", "ddp_ckpt", "sp_norm", "e2e")
+TRAINED = ("ddp", "fsdp2", "fsdp2_head", "fsdp2_ckpt", "ddp_ckpt")  # compared with "single" after --steps
 
 
 def _model(args, device):
@@ -65,11 +70,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def train(args, mode, rank, world, device) -> dict | None:
     model = _model(args, device)
-    if mode == "ddp":
+    if mode.endswith("_ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    elif mode == "fsdp2":
-        shard_fsdp2(model)
+    elif mode.startswith("fsdp2"):
+        shard_fsdp2(model, head=mode != "fsdp2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     rows = args.batch // world
@@ -86,7 +93,7 @@ def train(args, mode, rank, world, device) -> dict | None:
             dist.all_reduce(loss)
             loss /= world
         losses.append(loss.item())
-    named = list((model.module if mode == "ddp" else model).named_parameters())
+    named = list((model.module if mode.startswith("ddp") else model).named_parameters())
     tensors = {"params": {n: _full(p) for n, p in named}, "grads": {n: _full(p.grad) for n, p in named}}
     return {"losses": losses, "tensors": tensors} if rank == 0 else None
 
@@ -185,6 +192,7 @@ def check(args) -> int:
     """One process (single, e2e) and one torchrun of K (ddp, fsdp2, sp_norm, e2e); compare; print a
     table; nonzero exit on a mismatch."""
     ok, lines = True, []
+    trained = args.trained.split(",")
 
     def verdict(name, err, detail=""):
         nonlocal ok
@@ -197,7 +205,7 @@ def check(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         one, many = os.path.join(tmp, "one.json"), os.path.join(tmp, "many.json")
         failed = [(name, err) for name, err in (("one process", _launch(args, "single,e2e", 1, one)),
-                  (f"{args.nproc} processes", _launch(args, "ddp,fsdp2,sp_norm,e2e", args.nproc, many))) if err]
+                  (f"{args.nproc} processes", _launch(args, ",".join((*trained, "sp_norm", "e2e")), args.nproc, many))) if err]
         for name, err in failed:
             print(f"{name}: FAILED\n{err}")
         if failed:
@@ -212,7 +220,7 @@ def check(args) -> int:
         tensors = {**torch.load(_tensor_path(one)), **torch.load(_tensor_path(many))}
     summary = {}
     ref = results["single"]["losses"]
-    for mode in ("ddp", "fsdp2"):
+    for mode in trained:
         got = results[mode]["losses"]
         summary[mode] = {"losses": verdict(f"{mode} losses", _max_rel_diff(got, ref), f" {['%.5f' % v for v in got]}")}
         for kind in ("params", "grads"):
@@ -252,12 +260,16 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--trained", default=",".join(TRAINED), help="--check: the trained modes to compare with one "
+                   "process (default: all)")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--out", help="--check: the summary JSON; --mode: rank 0's results (and tensors beside, .pt)")
     p.add_argument("--out-dir", help="--check: write distributed-<device>-<K>gpu-<date>.json into this folder")
     args = p.parse_args()
     if args.mode and any(m not in MODES for m in args.mode.split(",")):
         p.error(f"--mode: expected some of {', '.join(MODES)}, got {args.mode!r}")
+    if any(m not in TRAINED for m in args.trained.split(",")):
+        p.error(f"--trained: expected some of {', '.join(TRAINED)}, got {args.trained!r}")
     if args.batch is None:
         world = args.nproc if args.check else int(os.environ.get("WORLD_SIZE", "1"))
         args.batch = world * -(-4 // world)

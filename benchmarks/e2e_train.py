@@ -21,7 +21,8 @@ activations). Losses of every step are recorded, so providers can be checked aga
 Several GPUs (``--nproc K``, K > 1): each provider runs under ``torchrun --nproc-per-node K`` with
 ``fully_shard`` (FSDP2, default policy: the parameters are bf16, so are the all-gathers and
 reduce-scatters) on every decoder layer and the root, applied after the provider's patch and
-before ``torch.compile``. ``--batch`` is the global batch: rank r trains rows
+before ``torch.compile``; ``--reshard-after-forward``, ``--prefetch`` and ``--shard-head`` set its
+knobs (recorded under ``fsdp2``). ``--batch`` is the global batch: rank r trains rows
 [r * batch / K, (r + 1) * batch / K) of the same random batches, so the mean of the ranks' losses
 is the one-GPU loss of that batch. tokens/s counts every rank's tokens; the JSON also gives it per
 GPU, the slowest rank's step time and every rank's peak memory. ``--compare`` reads the JSONs of
@@ -76,15 +77,34 @@ def init_distributed(device_type: str):
     return dist.get_rank(), world, device
 
 
-def shard_fsdp2(model):
-    """FSDP2: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head)."""
+def fsdp2_options(args) -> dict:
+    """shard_fsdp2's keyword arguments from the command line's FSDP2 flags."""
+    return {"reshard_after_forward": bool(args.reshard_after_forward), "head": bool(args.shard_head),
+            "prefetch": args.prefetch}
+
+
+def shard_fsdp2(model, reshard_after_forward: bool = True, head: bool = False, prefetch: int = 0):
+    """FSDP2: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head).
+
+    ``reshard_after_forward``: the decoder layers free their gathered parameters after the forward
+    (gathered again for the backward) or keep them (more memory, one all-gather a step fewer).
+    ``head``: the output head is a group of its own, which the fused loss reads outside the head's
+    forward (the weight is then a sharded DTensor there: ``llmkernels.ops.losses.base.sharded``).
+    ``prefetch``: each layer's forward (backward) also starts the all-gathers of the next (previous)
+    ``prefetch`` layers, beyond FSDP2's implicit one-ahead prefetch."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
-    for layer in model.model.layers:
-        fully_shard(layer)
+    layers = list(model.model.layers)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    if head:
+        fully_shard(model.get_output_embeddings(), reshard_after_forward=reshard_after_forward)
     fully_shard(model)
+    for i, layer in enumerate(layers if prefetch > 0 else ()):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + prefetch])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - prefetch):i][::-1])
     return model
 
 
@@ -167,7 +187,7 @@ def run_provider(args, rank: int = 0, world: int = 1, device=None) -> dict | Non
             print(report, flush=True)
         result["patched"], result["not_patched"] = report.patched, report.not_patched
     if world > 1:
-        shard_fsdp2(model)
+        shard_fsdp2(model, **fsdp2_options(args))
     step_model = torch.compile(model) if args.provider == "compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -335,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=int, default=400, help="seconds per provider subprocess")
+    p.add_argument("--reshard-after-forward", type=int, choices=(0, 1), default=1,
+                   help="FSDP2: the decoder layers free their gathered parameters after the forward (1) or keep "
+                        "them for the backward (0)")
+    p.add_argument("--prefetch", type=int, default=0, help="FSDP2: layers whose all-gathers each layer starts ahead "
+                   "(beyond FSDP2's implicit one; default %(default)s)")
+    p.add_argument("--shard-head", type=int, choices=(0, 1), default=0,
+                   help="FSDP2: the output head a group of its own (1) or in the root's (0)")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--out-dir", help="write the JSON into this folder as e2e-<device>-<K>gpu-<date>.json")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="compare result files of several process counts "
@@ -354,10 +381,15 @@ def parse_args(argv=None):
     return args
 
 
+def run_shape(args) -> dict:
+    """The model and run settings a result records (and ``compare`` matches runs on)."""
+    return {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq",
+                                          "batch", "warmup", "steps", "dtype")}
+
+
 def run_all(args) -> dict:
     device_type = resolve_device(args.device)
-    shape = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq",
-                                           "batch", "warmup", "steps", "dtype")}
+    shape = run_shape(args)
     env = environment(device_type, args.nproc)
     out = args.out or (args.out_dir and os.path.join(args.out_dir, result_name("e2e", env["device"], args.nproc,
                                                                                  env["date"])))
@@ -367,7 +399,10 @@ def run_all(args) -> dict:
         results["parallel"] = (f"FSDP2 over {args.nproc} processes: fully_shard on every decoder layer and the "
                                f"root, default policy; global batch {args.batch}, {args.batch // args.nproc} rows "
                                f"per process")
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + [f"--device={device_type}"]
+        results["fsdp2"] = fsdp2_options(args)
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + [
+        f"--device={device_type}", f"--reshard-after-forward={args.reshard_after_forward}",
+        f"--prefetch={args.prefetch}", f"--shard-head={args.shard_head}"]
     launcher = [sys.executable] if args.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     for provider in args.providers.split(","):

@@ -22,6 +22,8 @@ _EXPORTS = {
     "linear_cross_entropy": ".ops.losses.linear_cross_entropy",
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
+    "vocab_parallel_cross_entropy": ".parallel.vocab_parallel",
+    "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel_linear",
     "RMSNorm": ".modules",
     "FusedAddRMSNorm": ".modules",
     "LayerNorm": ".modules",
@@ -32,7 +34,7 @@ _EXPORTS = {
     "PatchReport": ".hf",
 }
 
-_SUBMODULES = ("ops", "reference", "modules", "hf", "hf_kernels", "bench", "scaling")
+_SUBMODULES = ("ops", "parallel", "reference", "modules", "hf", "hf_kernels", "bench", "scaling")
 
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -1,4 +1,8 @@
-"""Helpers shared by the test modules: comparisons, peak memory, bad-input tests."""
+"""Helpers shared by the test modules: comparisons, peak memory, bad-input tests, a runner of
+several ranks."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -51,3 +55,33 @@ def bad_input_test(cases):
         with pytest.raises(exc, match=match):
             call()
     return test_bad_input
+
+
+def run_ranks(fn, *args, world: int = 2):
+    """``fn(rank, world, device, *args)`` in ``world`` processes joined by the default process
+    group: NCCL over GPUs where there are ``world`` of them, else gloo on the CPU. ``fn`` must be
+    a module-level function; an exception in a rank fails the caller with that rank's traceback."""
+    import tempfile
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world)
+
+
+def _rank_main(rank: int, world: int, path: str, fn, args):
+    import torch.distributed as dist
+
+    cuda = torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)  # two ranks on a shared CPU
+    torch.manual_seed(1234)  # every rank the same modules, as the tests' own seed
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    fn(rank, world, device, *args)
+    dist.barrier()
+    # Tearing gloo down intermittently aborts a rank after its work is done (as in
+    # benchmarks/e2e_train.exit_distributed): a rank that passed leaves at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

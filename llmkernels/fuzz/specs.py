@@ -245,6 +245,26 @@ def cross_entropy(d: Draw) -> Case:
                 bad=_common_bad(d, args, ("logits", "target"), _one_bad(d, LOSS_BAD)))
 
 
+def vocab_parallel_cross_entropy(d: Draw) -> Case:
+    """In one process (no process group): the whole vocabulary is this rank's shard."""
+    dtype, m, v = d.dtype(), d.rows(), d.choice((1, d.width(600), d.int(4090, 5000)))
+    options = {k: val for k, val in _loss_options(d, v).items() if k != "softcap"}
+    inplace = d.chance(0.3)
+    args = dict(logits=d.tensor((m, v), dtype, scale=d.choice((1.0, 8.0)),
+                                layouts=("contiguous", "sliced", "strided") if inplace else ("contiguous", "transposed",
+                                                                                              "sliced", "strided")),
+                target=d.target(m, v, options["ignore_index"]), **options, inplace_backward=inplace)
+
+    def ref(a, c):
+        return reference.cross_entropy(a["logits"], a["target"], **options, compute_dtype=c)[:1]
+
+    bad = {k: val for k, val in LOSS_BAD.items() if k != "softcap"}
+    return Case("vocab_parallel_cross_entropy", args, lambda a: (lk.vocab_parallel_cross_entropy(**a),), ref,
+                ("logits",), row_input="logits" if options["reduction"] == "none" else None,
+                mutates=("logits",) if inplace else (),
+                bad=_common_bad(d, args, ("logits", "target"), _one_bad(d, bad)))
+
+
 def _as_ce(out) -> tuple:
     return tuple(out) if isinstance(out, tuple) else (out, None, None)
 
@@ -340,6 +360,7 @@ BUILDERS = {
     "glu": lambda d: glu(d, False),
     "glu_linear": lambda d: glu(d, True),
     "cross_entropy": cross_entropy,
+    "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
     "linear_cross_entropy": linear_cross_entropy,
     "linear_log_probs": linear_log_probs,
     "linear_distill_loss": linear_distill_loss,

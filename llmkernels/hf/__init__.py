@@ -15,7 +15,8 @@ the family's casting; ``torch.nn.LayerNorm`` (GPT-NeoX); the gated MLP's product
 projection (``mlp``); the modeling module's RoPE function (``rope``: module-level, so it changes
 every model of that type in the process, also for ``patch(model)``); and the loss of
 ``*ForCausalLM`` (``loss``). Tensor-parallel (DTensor) norms run on the local shard
-(``sharding``).
+(``sharding``); a sharded head weight that the fused loss reads outside the head's forward (FSDP2
+with the head a group of its own) is gathered for the call (``llmkernels.ops.losses.base.sharded``).
 
 The modules: ``families`` (what each model type uses, as data), ``patching`` (the two entry
 points), ``norms``, ``mlp``, ``rope``, ``loss``, ``sharding`` (the replacements), ``marks``

@@ -7,11 +7,7 @@ tensors reach the kernel and need nothing from here.
 """
 from __future__ import annotations
 
-
-def is_dtensor(t) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (checked by name: importing
-    torch.distributed costs every process that never shards)."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+from ..ops.losses.base import is_dtensor
 
 
 def norm_call(fn, x, weight, bias, **kwargs):

@@ -1,4 +1,4 @@
-"""Launch configurations of the cross-entropy kernels (``ops/cross_entropy.py``), as frozen
+"""Launch configurations of the cross-entropy kernels (``ops/losses/``), as frozen
 records, and their choice for a device.
 
 ``DEFAULT_CONFIG`` holds what the H100 measurements chose (each pass names its results);

@@ -38,7 +38,7 @@ from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (DEFAULT_MEMORY, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
                    check_reduction, check_target, check_temperature, chunk_rows, count_rows, finish_target_check,
-                   grads_fake, head_loss_ops, start_target_check)
+                   gathered, grads_fake, head_loss_ops, start_target_check)
 
 KINDS = reference.DISTILL_KINDS
 _KIND_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's KIND
@@ -396,6 +396,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         and student_weight. With ``"mean"``/``"sum"`` the gradients are formed during the
         forward and the backward can run only once.
     """
+    student_weight, teacher_weight = gathered(student_weight, student_hidden), gathered(teacher_weight, teacher_hidden)
     check_head("student_hidden", student_hidden, "student_weight", student_weight)
     check_head("teacher_hidden", teacher_hidden, "teacher_weight", teacher_weight, like=student_hidden,
                like_name="student_hidden")

@@ -36,7 +36,7 @@ from ... import reference
 from .._launch import use_kernels
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (DEFAULT_MEMORY, RowLoss, accumulate_mm, aligned_cols, ce_rows, check_chunking, check_head,
-                   check_loss_options, check_target, chunk_rows, count_rows, finish_loss, finish_target_check,
+                   check_loss_options, check_target, chunk_rows, count_rows, finish_loss, finish_target_check, gathered,
                    grads_by_vocab_chunks, grads_fake, head_loss_ops, package_output, row_buffers, start_target_check)
 
 
@@ -240,6 +240,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
     the backward can run only once through this call.
     """
+    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)

@@ -31,7 +31,7 @@ from .._register import Op
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (check_chunk_size, check_head, check_ignore_index, check_target, check_temperature, chunk_rows,
-                   finish_target_check, grads_by_vocab_chunks, grads_fake, start_target_check)
+                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, start_target_check)
 
 
 class LogProbsOptions(NamedTuple):
@@ -189,6 +189,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         hidden, weight and bias for any upstream gradient of either output (the backward
         recomputes the logits).
     """
+    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_ignore_index(ignore_index)

@@ -163,6 +163,8 @@ def run_case(build: Callable, seed: int, index: int, device: torch.device, *, co
     case = fresh()
     plan = Draw(seed, -1 - index, device)  # the runner's own choices, apart from the case's
     context = context or plan.rng.choices(CONTEXTS, CONTEXT_WEIGHTS)[0]
+    if context == "compile" and case.eager_only:
+        context = "plain"
     forward_only = context in ("no_grad", "inference_mode")
     if context == "autocast" and case.follows_autocast:  # products and sums both rounded to bf16
         case.tol_scale *= 2

@@ -30,7 +30,9 @@ class Case:
     ``follows_autocast``: the op's matmuls run in autocast's dtype, as the modules it replaces;
     ``tol_scale``: a wider tolerance (set by the runner under autocast, for ops that follow it);
     ``mutates``: arguments written as documented;
-    ``bad``: ``(argument name, replacement args)`` that must raise an error naming it."""
+    ``bad``: ``(argument name, replacement args)`` that must raise an error naming it;
+    ``eager_only``: an op with no torch.compile form (documented), run plain where the compile
+    context is drawn."""
 
     op: str
     args: dict
@@ -44,6 +46,7 @@ class Case:
     tol_scale: float = 1.0
     mutates: tuple = ()
     bad: list = dataclasses.field(default_factory=list)
+    eager_only: bool = False
 
 
 def _bad(args: dict, name: str, value) -> tuple:
@@ -262,7 +265,7 @@ def vocab_parallel_cross_entropy(d: Draw) -> Case:
     return Case("vocab_parallel_cross_entropy", args, lambda a: (lk.vocab_parallel_cross_entropy(**a),), ref,
                 ("logits",), row_input="logits" if options["reduction"] == "none" else None,
                 mutates=("logits",) if inplace else (),
-                bad=_common_bad(d, args, ("logits", "target"), _one_bad(d, bad)))
+                bad=_common_bad(d, args, ("logits", "target"), _one_bad(d, bad)), eager_only=True)
 
 
 def _as_ce(out) -> tuple:

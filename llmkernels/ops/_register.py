@@ -112,19 +112,47 @@ def _builder(record: type) -> Callable:
     return lambda values: record(*[part(values) for part in parts])
 
 
+def _paths(record: type) -> tuple:
+    """The index path of each of a record's flat fields, in the order of ``_record_fields``."""
+    hints = typing.get_type_hints(record)
+    paths = []
+    for i, name in enumerate(record._fields):
+        paths += [(i, *path) for path in _paths(hints[name])] if _is_record(hints[name]) else [(i,)]
+    return tuple(paths)
+
+
+def flattener(record: type) -> Callable:
+    """``flatten(options)``: a ``record``'s values in the order of ``_record_fields``, the custom
+    op's arguments after the tensors. Its paths are resolved here, once, so that what runs under
+    torch.compile is tuple indexing alone (Dynamo of torch 2.11 cannot trace ``hasattr`` on a
+    record's class)."""
+    paths = _paths(record)
+
+    def flatten(options: tuple) -> tuple:
+        values = []
+        for path in paths:
+            value = options
+            for i in path:
+                value = value[i]
+            values.append(value)
+        return tuple(values)
+    return flatten
+
+
 def flat_fields(options: tuple) -> tuple:
-    """A record's values in the order of ``_record_fields``: the custom op's arguments after the
-    tensors (tests pass them to ``torch.library.opcheck``)."""
-    return tuple(v for value in options for v in (flat_fields(value) if _is_record(type(value)) else (value,)))
+    """A record's flat values (``flattener``'s), e.g. for ``torch.library.opcheck`` in tests."""
+    return flattener(type(options))(options)
 
 
 class Signature(NamedTuple):
     """A launcher's custom-op signature: ``tensors`` (the names of its tensor arguments),
-    ``schema``, and ``build`` (its options record from the flat fields that follow them)."""
+    ``schema``, ``build`` (its options record from the flat fields that follow them) and
+    ``flatten`` (those fields of a record)."""
 
     tensors: tuple
     schema: str
     build: Callable
+    flatten: Callable
 
     @classmethod
     def of(cls, launcher: Callable, mutates: tuple = ()) -> "Signature":
@@ -141,7 +169,8 @@ class Signature(NamedTuple):
             outputs = "(" + ", ".join("Tensor" for _ in typing.get_args(returns)) + ")"
         else:
             outputs = "Tensor"
-        return cls(tuple(tensors), f"({', '.join(args)}) -> {outputs}", _builder(hints[record]))
+        return cls(tuple(tensors), f"({', '.join(args)}) -> {outputs}", _builder(hints[record]),
+                   flattener(hints[record]))
 
     def split(self, flat: tuple) -> tuple:
         """``(tensors, options)`` of a custom op's flat arguments."""
@@ -167,10 +196,10 @@ def _custom_op(name: str, launcher: Callable, fake: Callable, mutates: tuple):
     return op, signature
 
 
-def _flattening(op):
+def _flattening(op, signature: Signature):
     """``op`` called as a launcher is, ``op(*tensors, options, **eager)``: the record's fields
     flattened after the tensors, the eager-only options dropped."""
-    return lambda *args, **eager: op(*args[:-1], *flat_fields(args[-1]))
+    return lambda *args, **eager: op(*args[:-1], *signature.flatten(args[-1]))
 
 
 def _input_grads(positions: tuple, n_inputs: int, grads) -> tuple:
@@ -236,7 +265,7 @@ class Op:
         if base is not None or mutates:
             return
         if backward_launcher is not None:
-            self.backward_op = _flattening(_custom_op(name + "_bwd", backward_launcher, backward_fake, ())[0])
+            self.backward_op = _flattening(*_custom_op(name + "_bwd", backward_launcher, backward_fake, ()))
         self.op.register_autograd(self._compiled_backward, setup_context=self._compiled_setup)
 
     # ---------------------------------------------------------------------------------------
@@ -256,7 +285,7 @@ class Op:
         if torch.compiler.is_compiling():
             if self.op is None:
                 return self.base(*args, **eager)
-            outputs = self.op(*args[:-1], *flat_fields(args[-1]))
+            outputs = self.op(*args[:-1], *self.signature.flatten(args[-1]))
             return outputs if self.returns is None else outputs[:self.returns]
         if torch.is_grad_enabled():
             for i in self.grad_inputs:  # (``needs_grad`` inline: every eager call takes this path)
@@ -283,7 +312,7 @@ class Op:
         self.setup(ctx, *self.signature.split(inputs), output)
 
     def _compiled_backward(self, ctx, *grad_outputs):
-        bwd = self.backward_op if self.backward_op is not None else _flattening(self.op)
+        bwd = self.backward_op if self.backward_op is not None else _flattening(self.op, self.signature)
         return _input_grads(self.grad_inputs, len(ctx.needs_input_grad), self.backward(ctx, bwd, *grad_outputs))
 
     def _autograd_function(self, name: str, once_differentiable: bool):

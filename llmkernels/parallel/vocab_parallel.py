@@ -341,6 +341,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         The loss in the logits' dtype (0-d, or ``[...]`` for ``"none"``), a plain tensor equal on
         every rank, differentiable in this rank's logits. Communication: one all-gather of
         ``[M, 3]`` fp32 in the forward, none in the backward.
+
+    Eager only: it has no torch.compile form (torch.compile breaks the graph around it;
+    ``fullgraph=True`` refuses it).
     """
     if is_dtensor(logits):
         check_no_layout("logits", group, vocab_start, vocab_size)

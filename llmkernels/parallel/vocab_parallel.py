@@ -26,8 +26,8 @@ import torch
 
 from ..ops._launch import cdiv, check_tensor, launch, use_kernels
 from ..ops._triton import tl, triton
-from ..ops.losses.base import (check_loss_options, check_target, finish_target_check, is_dtensor, scale_rows_,
-                               start_target_check)
+from ..ops.losses.base import (check_loss_options, check_target, finish_target_check, is_dtensor, row_lse,
+                               scale_rows_, start_target_check)
 
 STATS_BLOCK_V = 4096  # columns per step of the statistics pass's online loop
 GRAD_BLOCK_V = 2048  # columns of one program of the gradient pass
@@ -45,20 +45,7 @@ def _shard_stats_kernel(X, T, STATS, V, v0, stride_x, ignore_index, HAS_SMOOTHIN
     (HAS_SMOOTHING; else 0)), by an online logsumexp (running max, rescaled sum)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
-    m = tl.full([1], float("-inf"), tl.float32)
-    s = tl.zeros([1], dtype=tl.float32)
-    z_sum = tl.zeros([1], dtype=tl.float32)
-    for offset in range(0, V, BLOCK_V):
-        cols = offset + tl.arange(0, BLOCK_V)
-        mask = (cols < V)[None, :]
-        z = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-        if HAS_SMOOTHING:
-            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-        m = m_new
-    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+    lse, _, _, z_sum = row_lse(x_row, V, 1.0, BLOCK_V, False, HAS_SMOOTHING)
     t = tl.load(T + row + tl.zeros([1], tl.int64)).to(tl.int64) - v0
     here = (t >= 0) & (t < V) & (t + v0 != ignore_index)
     z_t = tl.load(x_row + tl.where(here, t, 0), mask=here, other=0.0).to(tl.float32)

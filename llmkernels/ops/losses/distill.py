@@ -38,7 +38,7 @@ from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (DEFAULT_MEMORY, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
                    check_reduction, check_target, check_temperature, chunk_rows, count_rows, finish_target_check,
-                   gathered, grads_fake, head_loss_ops, start_target_check)
+                   gathered, grads_fake, head_loss_ops, online_step, start_target_check)
 
 KINDS = reference.DISTILL_KINDS
 _KIND_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's KIND
@@ -62,15 +62,6 @@ class DistillOptions(NamedTuple):
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Grads = tuple[torch.Tensor, torch.Tensor]
-
-
-@triton.jit
-def _online(z, m):
-    """One step of an online log-sum-exp: ``(m_new, exp(m - m_new), exp(z - m_new))`` with -inf
-    maxima kept finite (``m_ref``)."""
-    m_new = tl.maximum(m, tl.max(z, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, tl.exp(m - m_ref), tl.exp(z - m_ref[:, None])
 
 
 @triton.jit
@@ -145,8 +136,8 @@ def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, strid
     w = tl.zeros([1], dtype=tl.float32)
     for offset in range(0, V, BLOCK_V):
         cols, zs, zt = _logits_pair(s_row, t_row, offset, V, inv_temp, BLOCK_V)
-        ms, scale_s, es = _online(zs, ms)
-        mt, scale_t, et = _online(zt, mt)
+        ms, scale_s, es = online_step(zs, ms)
+        mt, scale_t, et = online_step(zt, mt)
         ss = ss * scale_s + tl.sum(es, axis=1)
         st = st * scale_t + tl.sum(et, axis=1)
         if KIND == 0:  # sum over classes of exp(zt - mt) (zt - zs): KL(P || Q) without a second pass

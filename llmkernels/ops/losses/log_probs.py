@@ -31,7 +31,7 @@ from .._register import Op
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (check_chunk_size, check_head, check_ignore_index, check_target, check_temperature, chunk_rows,
-                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, start_target_check)
+                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, row_lse, start_target_check)
 
 
 class LogProbsOptions(NamedTuple):
@@ -59,21 +59,7 @@ def _row_logp_kernel(X, T, LOGP, ENT, LSE, MU, V, stride_x, ignore_index, inv_te
     ``mu = E_p[z]`` and ``entropy = lse - mu`` (0 where ignored, NaN where out of range)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
-    m = tl.full([1], float("-inf"), tl.float32)
-    s = tl.zeros([1], dtype=tl.float32)
-    w = tl.zeros([1], dtype=tl.float32)
-    for offset in range(0, V, BLOCK_V):
-        cols = offset + tl.arange(0, BLOCK_V)
-        z = tl.load(x_row + cols[None, :], mask=(cols < V)[None, :], other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = tl.exp(m - m_ref)
-        e = tl.exp(z - m_ref[:, None])
-        s = s * scale + tl.sum(e, axis=1)
-        if ENTROPY:
-            w = w * scale + tl.sum(tl.where(e > 0, e * z, 0.0), axis=1)  # masked classes: e = 0, z = -inf
-        m = m_new
-    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+    lse, s, w, _ = row_lse(x_row, V, inv_temp, BLOCK_V, ENTROPY, False)
     t = tl.load(T + row + tl.zeros([1], tl.int64)).to(tl.int64)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)

@@ -35,6 +35,38 @@ from ..._triton import tl, triton
 
 
 @triton.jit
+def online_step(z, m):
+    """One block of an online log-sum-exp over rows ``z [R, B]`` (fp32, -inf where masked) with
+    running maxima ``m [R]``: ``(m_new, exp(m - m_new), exp(z - m_new))``, -inf maxima kept
+    finite (``m_ref``) so that an all-masked row stays 0, not NaN."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp(m - m_ref), tl.exp(z - m_ref[:, None])
+
+
+@triton.jit
+def row_lse(x_row, V, inv_temp, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SUM: tl.constexpr):
+    """A row's ``lse`` of ``z = x * inv_temp`` (``x_row``: its first logit, V of them) by an
+    online log-sum-exp, with its sum of exps ``s`` and, with ENTROPY, ``w = sum(exp(z - m) * z)``
+    rescaled alike (``w / s = E_p[z]``), with SUM the plain sum of z: ``(lse, s, w, z_sum)``."""
+    m = tl.full([1], float("-inf"), tl.float32)
+    s = tl.zeros([1], dtype=tl.float32)
+    w = tl.zeros([1], dtype=tl.float32)
+    z_sum = tl.zeros([1], dtype=tl.float32)
+    for offset in range(0, V, BLOCK_V):
+        cols = offset + tl.arange(0, BLOCK_V)
+        mask = (cols < V)[None, :]
+        z = tl.load(x_row + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+        m, scale, e = online_step(z, m)
+        s = s * scale + tl.sum(e, axis=1)
+        if ENTROPY:
+            w = w * scale + tl.sum(tl.where(e > 0, e * z, 0.0), axis=1)  # masked classes: e = 0, z = -inf
+        if SUM:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+    return tl.where(m == float("-inf"), 0.0, m) + tl.log(s), s, w, z_sum
+
+
+@triton.jit
 def softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     """softcap * tanh(x / softcap), tanh written with one exp (exact limits at +-inf). Public:
     the kernels of the other losses over the logits cap them the same way."""

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..ops._launch import INTERPRET
 from .check import Mismatch, run_case
 from .specs import BUILDERS
 
@@ -82,7 +83,9 @@ def merge(summaries: Sequence[dict]) -> dict:
 
 
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu (Triton interpreter)" if INTERPRET else "cpu (plain PyTorch: TRITON_INTERPRET unset)"
 
 
 def _triton_version() -> Optional[str]:

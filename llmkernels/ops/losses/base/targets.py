@@ -109,6 +109,18 @@ def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int
         done.synchronize()
     row = word.item() - 1
     if row >= 0:
-        raise ValueError(f"target[{row}] = {int(target[row].item())} is outside [0, {v}) (the vocabulary "
-                         f"size) and is not ignore_index ({ignore_index})")
+        raise _outside(target, row, v, ignore_index)
+
+
+def check_target_range(target: torch.Tensor, v: int, ignore_index: int) -> None:
+    """The same check in PyTorch, waiting for it, where no kernel runs (a CPU without Triton's
+    interpreter)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if bad.any():
+        raise _outside(target, int(bad.nonzero()[0, 0]), v, ignore_index)
+
+
+def _outside(target: torch.Tensor, row: int, v: int, ignore_index: int) -> ValueError:
+    return ValueError(f"target[{row}] = {int(target[row].item())} is outside [0, {v}) (the vocabulary size) and is "
+                      f"not ignore_index ({ignore_index})")
 

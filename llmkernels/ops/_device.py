@@ -85,6 +85,19 @@ INTERPRETER = dataclasses.replace(REFERENCE, name="cpu (Triton interpreter)", sm
                                   copy_gbps=REFERENCE.gbps_per_sm * 4, copy_source="assumed")
 
 
+def more_programs(config, depth: int, slice_field: str, min_slice: int, max_per_sm: int):
+    """A split configuration (fields ``per_sm``, ``num_warps`` and its slice ``slice_field``) with
+    ``depth`` times the programs a multiprocessor, each of half the slice and half the warps for
+    each doubling (the same registers a multiprocessor), so that one program's loads overlap
+    another's exchange and stores; within ``max_per_sm`` programs and slices of ``min_slice``."""
+    while (depth > 1 and config.per_sm < max_per_sm and getattr(config, slice_field) > min_slice
+           and config.num_warps > 1):
+        config = dataclasses.replace(config, **{slice_field: getattr(config, slice_field) // 2},
+                                     num_warps=config.num_warps // 2, per_sm=config.per_sm * 2)
+        depth //= 2
+    return config
+
+
 def device_index(device: torch.device) -> int:
     """The CUDA index of ``device`` (its own, or the current device's); -1 for the CPU."""
     if device.type != "cuda":

@@ -60,16 +60,9 @@ class SplitInplace:
     per_sm: int = 1  # programs a multiprocessor (more than one: registers capped so that all are resident)
 
     def deepened(self, depth: int) -> "SplitInplace":
-        """``depth`` times the programs a multiprocessor, each of half the slice and half the
-        warps for each doubling (the same registers a multiprocessor), so that one program's
-        loads overlap another's exchange and stores; within MAX_SPLIT_PER_SM and MIN_SPLIT_BLOCK_V."""
-        config = self
-        while (depth > 1 and config.per_sm < MAX_SPLIT_PER_SM and config.block_v > MIN_SPLIT_BLOCK_V
-               and config.num_warps > 1):
-            config = dataclasses.replace(config, block_v=config.block_v // 2, num_warps=config.num_warps // 2,
-                                         per_sm=config.per_sm * 2)
-            depth //= 2
-        return config
+        """``depth`` times the programs a multiprocessor (``_device.more_programs``), within
+        MAX_SPLIT_PER_SM and MIN_SPLIT_BLOCK_V."""
+        return _device.more_programs(self, depth, "block_v", MIN_SPLIT_BLOCK_V, MAX_SPLIT_PER_SM)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+from .._device import more_programs
+
 MAX_STAGES = 4  # pipelining stages at most (the kernels' loops are written for 2 to 4)
 MAX_SPLIT_PER_SM = 4  # split programs a multiprocessor at most (each keeps 128 registers a thread or more)
 MIN_SLICE = 4096  # the narrowest slice a split program takes when a device asks for more programs
@@ -95,15 +97,9 @@ class SplitFwdConfig:
                  f"stages must be 0 or 2 to {MAX_STAGES}")
 
     def deepened(self, depth: int) -> "SplitFwdConfig":
-        """``depth`` times the programs a multiprocessor, each of half the slice and half the
-        warps for each doubling (the same registers a multiprocessor), so that one program's
-        loads overlap another's exchange and stores; within MAX_SPLIT_PER_SM and MIN_SLICE."""
-        config = self
-        while depth > 1 and config.per_sm < MAX_SPLIT_PER_SM and config.block_n > MIN_SLICE and config.num_warps > 1:
-            config = dataclasses.replace(config, block_n=config.block_n // 2, num_warps=config.num_warps // 2,
-                                         per_sm=config.per_sm * 2)
-            depth //= 2
-        return config
+        """``depth`` times the programs a multiprocessor (``more_programs``), within
+        MAX_SPLIT_PER_SM and MIN_SLICE."""
+        return more_programs(self, depth, "block_n", MIN_SLICE, MAX_SPLIT_PER_SM)
 
 
 @dataclasses.dataclass(frozen=True)

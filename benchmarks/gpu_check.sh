@@ -9,8 +9,9 @@
 # OLD holds the older `llmkernels` package (e.g. `git archive <commit> llmkernels | tar -x -C OLD`).
 # WHEELS (optional): a folder of wheels to install first (pytest-xdist, liger-kernel, ...).
 # TINY=1: tiny shapes and one test file, to check this script on a machine without a GPU.
-# STEPS (optional): the steps to run, of "tests host generate speed" (all by default), so that a
-# session can split them over calls of at most 10 minutes each.
+# STEPS (optional): the steps to run, of "tests host generate speed" (all by default) and "fuzz"
+# (only when named: FUZZ_CASES, FUZZ_PROCS, FUZZ_S, FUZZ_SEED), so that a session can split them over
+# calls of at most 10 minutes each.
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}" "${OLD:?set OLD}"
@@ -45,6 +46,18 @@ want host && step host "${HOST_S:-60}" python3 benchmarks/profile_overhead.py "$
   --out "$OUT/host.json"
 want generate && step generate "${GENERATE_S:-120}" python3 benchmarks/generate_bench.py "${tiny[@]}" \
   --out "$OUT/generate.json"
+if want fuzz; then  # the fuzzer's long run: FUZZ_CASES over FUZZ_PROCS processes sharing one Triton cache
+  n=${FUZZ_PROCS:-12}; per=$(( (${FUZZ_CASES:-5600} + n - 1) / n )); t0=$SECONDS
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$here/.triton-cache}
+  for i in $(seq 0 $((n - 1))); do
+    python3 -m llmkernels.fuzz --cases $per --start $((i * per)) --seed "${FUZZ_SEED:-2026112702}" \
+      --budget "${FUZZ_S:-420}" --out "$OUT/fuzz-part$i.json" > "$OUT/fuzz-part$i.log" 2>&1 &
+  done
+  wait
+  python3 -m llmkernels.fuzz --merge "$OUT"/fuzz-part*.json --out "$OUT/fuzz.json" 2>&1 | tail -n 30
+  rm -f "$OUT"/fuzz-part*.json
+  echo "== fuzz: $((SECONDS - t0)) s"
+fi
 want speed || exit 0
 only=(--only "rms_norm N=4096" "rms_norm N=32768" "rms_norm N=131072" "layer_norm N=4096" "layer_norm N=65536"
       "add_rms_norm N=8192" "add_rms_norm N=131072" cross apply glu)

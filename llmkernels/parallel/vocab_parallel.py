@@ -26,8 +26,8 @@ import torch
 
 from ..ops._launch import cdiv, check_tensor, launch, use_kernels
 from ..ops._triton import tl, triton
-from ..ops.losses.base import (check_loss_options, check_target, check_target_range, finish_target_check, is_dtensor,
-                               row_lse, scale_rows_, start_target_check)
+from ..ops.losses.base import (check_loss_options, check_target, check_target_range, finish_target_check,
+                               grad_coefs, grad_tile, is_dtensor, row_lse, scale_rows_, start_target_check)
 
 STATS_BLOCK_V = 4096  # columns per step of the statistics pass's online loop
 GRAD_BLOCK_V = 2048  # columns of one program of the gradient pass
@@ -56,26 +56,22 @@ def _shard_stats_kernel(X, T, STATS, V, v0, stride_x, ignore_index, HAS_SMOOTHIN
 
 
 @triton.jit
-def _shard_grad_kernel(X, DX, T, LSE, SCALE, V, v0, stride_x, stride_dx, ignore_index, off_coef, hot_coef, z_coef,
-                       HAS_Z: tl.constexpr, BLOCK_V: tl.constexpr):
+def _shard_grad_kernel(X, DX, T, LSE, SCALE, V, v0, vocab, stride_x, stride_dx, ignore_index, smoothing, z_coef,
+                       HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_V: tl.constexpr):
     """Program (row, block): DX = the gradient of the row's loss with respect to BLOCK_V columns
-    of the shard, times the row's SCALE (the upstream gradient, 1 / count for ``mean``; NaN for
-    an out-of-range target): ``s (p (1 + 2 z_coef lse) - off_coef) - s hot_coef onehot``. Rows
-    whose target is ignore_index get 0. DX may be X (each program reads its block, then writes it)."""
-    row = tl.program_id(0).to(tl.int64)
+    of the shard (``vocab`` columns in all), times the row's SCALE (the upstream gradient,
+    1 / count for ``mean``; NaN for an out-of-range target): the cross-entropy kernels' own
+    ``grad_tile``. Rows whose target is ignore_index get 0. DX may be X (each program reads its
+    block, then writes it)."""
+    row = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (cols < V)[None, :]
+    x = tl.load(X + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(LSE + row)
-    scale = tl.load(SCALE + row)
     t = tl.load(T + row).to(tl.int64)
-    p_coef = scale
-    if HAS_Z:
-        p_coef = scale * (1.0 + 2.0 * z_coef * lse)
-    g = tl.exp(x - lse) * p_coef - scale * off_coef
-    g = tl.where(cols == t - v0, g - scale * hot_coef, g)
-    g = tl.where(t != ignore_index, g, 0.0)
-    tl.store(DX + row * stride_dx + cols, g.to(DX.dtype.element_ty), mask=mask)
+    p_coef, off, hot = grad_coefs(tl.load(SCALE + row), lse, vocab, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+    g = grad_tile(x, cols, t - v0, lse, p_coef, off, hot, t != ignore_index, 0.0, False)
+    tl.store(DX + row[:, None] * stride_dx + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,13 +118,14 @@ def shard_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, sc
     """Writes into ``out`` (may be ``logits``) the gradient of the rows' losses with respect to
     the shard, each row's times ``scale [M]`` fp32; returns ``out``."""
     m, v = logits.shape
-    off, hot = opts.smoothing / shard.size, 1.0 - opts.smoothing
     if use_kernels(logits) and logits.dtype != torch.float64:
         if m:
             launch(_shard_grad_kernel, (m, cdiv(v, GRAD_BLOCK_V)), logits, out, target, lse, scale, v, shard.start,
-                   logits.stride(0), out.stride(0), opts.ignore_index, off, hot, opts.z_coef,
-                   HAS_Z=opts.z_coef > 0, BLOCK_V=GRAD_BLOCK_V, num_warps=NUM_WARPS)
+                   shard.size, logits.stride(0), out.stride(0), opts.ignore_index, opts.smoothing, opts.z_coef,
+                   HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_coef > 0, BLOCK_V=GRAD_BLOCK_V,
+                   num_warps=NUM_WARPS)
         return out
+    off, hot = opts.smoothing / shard.size, 1.0 - opts.smoothing
     z = logits.to(lse.dtype)
     p_coef = scale * (1.0 + 2.0 * opts.z_coef * lse)
     g = torch.exp(z - lse[:, None]) * p_coef[:, None] - (scale * off)[:, None]

@@ -76,9 +76,9 @@ def softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
+def grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
     """(p_coef, off, hot) of a row's gradient ``exp(z - lse) * p_coef - off - hot * onehot``
-    for the row's upstream ``scale``."""
+    for the row's upstream ``scale`` (V: the whole vocabulary's size). Public, as ``grad_tile``."""
     p_coef = scale
     if HAS_Z:
         p_coef = scale * (1.0 + 2.0 * z_coef * lse)
@@ -102,8 +102,9 @@ def through_softcap(g, z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
-    """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z``."""
+def grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP: tl.constexpr):
+    """d loss / d logits for a [BLOCK_M, BLOCK_V] tile of softcapped logits ``z`` (``t``: each row's
+    target as a column of the tile). Public: the vocabulary-parallel gradient is this one."""
     g = tl.exp(z - lse[:, None]) * p_coef[:, None] - off[:, None]
     g = tl.where(cols[None, :] == t[:, None], g - hot[:, None], g)
     return tl.where(valid[:, None], through_softcap(g, z, softcap, HAS_SOFTCAP), 0.0)
@@ -222,10 +223,10 @@ def ce_kernel(
             if HAS_G:
                 scale *= tl.load(G + rows64 * stride_g, mask=row_mask, other=0.0).to(tl.float32)
             scale = tl.where(bad, float("nan"), scale)
-            p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+            p_coef, off, hot = grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
             dx_row = DX + rows64[:, None] * stride_dx
             if ONE_BLOCK:
-                g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                g = grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                 tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
             else:
                 # Reverse chunk order: the chunks the forward read last are still in L2.
@@ -235,7 +236,7 @@ def ce_kernel(
                     mask = row_mask[:, None] & (cols < V)[None, :]
                     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=PASS2_EVICT)
                     z = softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
-                    g = _grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
+                    g = grad_tile(z, cols, t, lse, p_coef, off, hot, valid, softcap, HAS_SOFTCAP)
                     tl.store(dx_row + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
 
 
@@ -318,7 +319,7 @@ def ce_fused_split_kernel(
             tl.store(LOSS + row, loss)
             tl.store(LSE + row, lse)
         scale = tl.where(valid, tl.where(in_range, count_scale, float("nan")), 0.0)
-        p_coef, off, hot = _grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
+        p_coef, off, hot = grad_coefs(scale, lse, V, smoothing, z_coef, HAS_SMOOTHING, HAS_Z)
         g = through_softcap(e * (tl.exp(m_ref - lse) * p_coef) - off, z, softcap, HAS_SOFTCAP)
         dx_row = DX + row * stride_dx
         tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=cols < V)

@@ -26,7 +26,7 @@ import torch
 
 from ..ops._launch import cdiv, check_tensor, launch, use_kernels
 from ..ops._triton import tl, triton
-from ..ops.losses.base import (check_loss_options, check_target, check_target_range, finish_target_check,
+from ..ops.losses.base import (check_loss_options, check_target, finish_target_check,
                                grad_coefs, grad_tile, is_dtensor, row_lse, scale_rows_, start_target_check)
 
 STATS_BLOCK_V = 4096  # columns per step of the statistics pass's online loop
@@ -194,13 +194,10 @@ class _VocabParallelCE(torch.autograd.Function):
         x = local.reshape(-1, local.shape[-1])
         if x.stride(1) != 1:
             x = x.contiguous()
-        kernel_check = opts.check and use_kernels(target)
-        pending = start_target_check(target, shard.size, opts.ignore_index) if kernel_check else None
+        pending = start_target_check(target, shard.size, opts.ignore_index) if opts.check else None
         lse, z_t, z_sum = combine(shard_stats(x, target, shard, opts), shard.group)
         rows, valid, in_range = row_losses(lse, z_t, z_sum, target, shard.size, opts)
         finish_target_check(pending, target, shard.size, opts.ignore_index)
-        if opts.check and not kernel_check:
-            check_target_range(target, shard.size, opts.ignore_index)
         count = valid.sum()
         loss = {"mean": lambda: rows.sum() / count, "sum": rows.sum, "none": lambda: rows}[opts.reduction]()
         ctx.inplace = inplace and ctx.needs_input_grad[0]

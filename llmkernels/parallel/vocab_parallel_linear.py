@@ -21,14 +21,12 @@ from typing import Optional
 
 import torch
 
-from ..ops.losses.base import (accumulate_mm, check_head, check_target, chunk_rows, finish_target_check, is_dtensor,
-                               start_target_check)
+from ..ops.configs.linear_losses import DEFAULT_CONFIG
+from ..ops.losses.base import (accumulate_mm, check_chunk_size, check_head, check_target, chunk_rows,
+                               finish_target_check, is_dtensor, start_target_check)
 from .vocab_parallel import (Options, VocabShard, check_no_layout, combine, dtensor_shard, group_size, loss_options,
                              plain_shard, replicated_local, row_losses, row_scales, shard_grad, shard_stats,
                              sharded_loss)
-
-ROWS_PER_CHUNK = 2048  # as linear_cross_entropy's: the weight-gradient matmul of a chunk stays compute-bound
-
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     import torch.distributed as dist
@@ -130,8 +128,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         hidden = replicated_local(hidden, "hidden", grad_placements=[Partial()] * hidden.device_mesh.ndim)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
     opts = loss_options(ignore_index, reduction, label_smoothing, z_loss, check_targets)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    check_chunk_size("chunk_size", chunk_size)
     check_target(target, hidden.shape[0], hidden, "hidden")
     if not isinstance(shard, VocabShard):
         shard = plain_shard(weight.shape[0], *shard)
@@ -141,5 +138,6 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         logits = torch.nn.functional.linear(hidden, weight, bias)
         return sharded_loss(logits, target, shard, opts, True, loss_dtype=torch.float32)
     m, v_k, size = hidden.shape[0], weight.shape[0], hidden.element_size()
-    chunk = chunk_rows(m, v_k, size, hidden.device, chunk_size, ROWS_PER_CHUNK * v_k * size)
+    # (rows a chunk as linear_cross_entropy's: each chunk's weight-gradient matmul stays compute-bound)
+    chunk = chunk_rows(m, v_k, size, hidden.device, chunk_size, DEFAULT_CONFIG.rows_per_chunk * v_k * size)
     return _ChunkedLinearCE.apply(hidden, weight, bias, target, shard, opts, chunk, sum_hidden)

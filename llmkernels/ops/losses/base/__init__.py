@@ -12,11 +12,11 @@ from .row_kernels import grad_coefs, grad_tile, online_step, row_lse
 from .rows import (CrossEntropyOutput, RowLoss, ce_rows, count_rows, finish_loss, package_output, row_buffers,
                    scale_rows_)
 from .sharded import gathered, is_dtensor
-from .targets import check_target_range, finish_target_check, start_target_check
+from .targets import finish_target_check, start_target_check
 
 __all__ = ["DEFAULT_MEMORY", "MEMORY_MODES", "REDUCTIONS", "check_chunk_size", "check_chunking", "check_head",
            "check_ignore_index", "check_loss_options", "check_reduction", "check_target", "check_temperature",
            "accumulate_mm", "aligned_cols", "chunk_rows", "grads_by_vocab_chunks", "grads_fake", "head_loss_ops",
            "CrossEntropyOutput", "RowLoss", "ce_rows", "count_rows", "finish_loss", "package_output", "row_buffers",
-           "scale_rows_", "grad_coefs", "grad_tile", "online_step", "row_lse", "gathered", "is_dtensor", "check_target_range", "finish_target_check",
-           "start_target_check"]
+           "scale_rows_", "grad_coefs", "grad_tile", "online_step", "row_lse", "gathered", "is_dtensor",
+           "finish_target_check", "start_target_check"]

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from ..._launch import Plans, launcher
+from ..._launch import Plans, launcher, use_kernels
 from ..._triton import tl, triton
 
 
@@ -68,7 +68,11 @@ def start_target_check(target: torch.Tensor, v: int, ignore_index: int):
     """Launch the search for a target outside ``[0, V)`` (not ``ignore_index``) ahead of the
     main kernel; ``finish_target_check`` reads its answer. On a GPU the host then waits for this
     small kernel only, not for the cross-entropy kernels queued after it, so the GPU does not
-    idle while the host checks. None while a CUDA graph is being captured (no check then)."""
+    idle while the host checks. None while a CUDA graph is being captured (no check then), and
+    where no kernel can run (a CPU without Triton's interpreter: checked here, in PyTorch)."""
+    if not use_kernels(target):
+        check_target_range(target, v, ignore_index)
+        return None
     m = target.shape[0]
     check = _CHECK[m]
     if not target.is_cuda:  # (the interpreter)
@@ -113,8 +117,7 @@ def finish_target_check(pending, target: torch.Tensor, v: int, ignore_index: int
 
 
 def check_target_range(target: torch.Tensor, v: int, ignore_index: int) -> None:
-    """The same check in PyTorch, waiting for it, where no kernel runs (a CPU without Triton's
-    interpreter)."""
+    """The same check in PyTorch, waiting for it."""
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if bad.any():
         raise _outside(target, int(bad.nonzero()[0, 0]), v, ignore_index)

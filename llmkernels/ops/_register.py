@@ -90,15 +90,16 @@ def _is_record(hint) -> bool:
 
 
 def _record_fields(record: type, prefix: str = "") -> list:
-    """``(schema type, name)`` of a record's fields in order, a nested record's flattened in its
-    place (its fields' names prefixed with its own)."""
+    """``(schema type, name, index path)`` of a record's fields in order, a nested record's
+    flattened in its place (its fields' names prefixed with its own, their paths with its index)."""
     hints = typing.get_type_hints(record)
     fields = []
-    for name in record._fields:
+    for i, name in enumerate(record._fields):
         if _is_record(hints[name]):
-            fields += _record_fields(hints[name], f"{prefix}{name}_")
+            nested = _record_fields(hints[name], f"{prefix}{name}_")
+            fields += [(kind, inner, (i, *path)) for kind, inner, path in nested]
         else:
-            fields.append((_schema_type(hints[name]), prefix + name))
+            fields.append((_schema_type(hints[name]), prefix + name, (i,)))
     return fields
 
 
@@ -112,21 +113,12 @@ def _builder(record: type) -> Callable:
     return lambda values: record(*[part(values) for part in parts])
 
 
-def _paths(record: type) -> tuple:
-    """The index path of each of a record's flat fields, in the order of ``_record_fields``."""
-    hints = typing.get_type_hints(record)
-    paths = []
-    for i, name in enumerate(record._fields):
-        paths += [(i, *path) for path in _paths(hints[name])] if _is_record(hints[name]) else [(i,)]
-    return tuple(paths)
-
-
 def flattener(record: type) -> Callable:
     """``flatten(options)``: a ``record``'s values in the order of ``_record_fields``, the custom
     op's arguments after the tensors. Its paths are resolved here, once, so that what runs under
     torch.compile is tuple indexing alone (Dynamo of torch 2.11 cannot trace ``hasattr`` on a
     record's class)."""
-    paths = _paths(record)
+    paths = tuple(path for _, _, path in _record_fields(record))
 
     def flatten(options: tuple) -> tuple:
         values = []
@@ -161,7 +153,7 @@ class Signature(NamedTuple):
                             if p.kind is p.POSITIONAL_OR_KEYWORD]
         args = [_schema_type(hints[name]).replace("Tensor", f"Tensor(a{mutates.index(name)}!)" if name in mutates
                                                   else "Tensor") + " " + name for name in tensors]
-        args += [f"{kind} {name}" for kind, name in _record_fields(hints[record])]
+        args += [f"{kind} {name}" for kind, name, _ in _record_fields(hints[record])]
         returns = hints.get("return", type(None))
         if returns is type(None):
             outputs = "()"

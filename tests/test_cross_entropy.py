@@ -18,7 +18,7 @@ from llmkernels.ops._register import flat_fields
 from llmkernels.ops.losses.base import RowLoss, targets
 from llmkernels.ops._rowsplit import split_grid
 from tests.conftest import DEVICE
-from llmkernels.bench.runner import poisoned
+from llmkernels.testing import poisoned
 from tests.helpers import assert_close, cuda_peak_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -7,7 +7,7 @@ import torch
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.bench.runner import poisoned
+from llmkernels.testing import poisoned
 from llmkernels.ops.losses import distill as distill_ops
 from tests.conftest import DEVICE
 from tests.helpers import assert_close, cuda_peak_bytes

@@ -12,7 +12,7 @@ from llmkernels.ops import glu as glu_ops
 from llmkernels.ops.configs import glu as glu_configs
 
 from tests.conftest import DEVICE, INTERPRETED
-from llmkernels.bench.runner import poisoned
+from llmkernels.testing import poisoned
 from tests.helpers import assert_close, bad_input_test
 
 F64 = torch.float64

@@ -20,7 +20,7 @@ from llmkernels.ops.norm import (BACKWARD, BWD_PLANS, FORWARD, FWD_PLANS, BwdCon
 from llmkernels.ops.norm.tables import (BWD_ONE_PASS_MAX, DECODE_PROGRAMS, FWD_ONE_PASS_MAX, WARP, below_power_of_two,
                                         five_eighths, fp16)
 from tests.conftest import INTERPRETED
-from llmkernels.bench.runner import poisoned
+from llmkernels.testing import poisoned
 from tests.helpers import REL_TOL, assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -8,7 +8,7 @@ from llmkernels import reference
 from llmkernels.ops import rope as rope_ops
 
 from tests.conftest import DEVICE, INTERPRETED
-from llmkernels.bench.runner import poisoned
+from llmkernels.testing import poisoned
 from tests.helpers import assert_close, bad_input_test, rel_err
 
 F64 = torch.float64

@@ -20,7 +20,6 @@ cases.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.metadata
 import math
@@ -32,6 +31,7 @@ from typing import Optional
 import torch
 
 import llmkernels
+from ..testing import poisoned
 
 from .registry import MODES, BenchOp, Unavailable, ops
 
@@ -198,28 +198,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (out.detach().to(ref.device, torch.float64) - ref).norm()
     denom = ref.norm()
     return float(diff / denom if denom > 0 else diff)
-
-
-@contextlib.contextmanager
-def poisoned():
-    """``torch.empty``/``empty_like`` return NaN-filled (integer: max-value) tensors meanwhile, so
-    an output that a provider leaves unwritten shows up instead of passing on stale memory. The
-    tests use it too."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(torch.iinfo(t.dtype).max)
-        return t
-
-    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
 
 
 class Case:

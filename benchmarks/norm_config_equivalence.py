@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,9 +54,9 @@ def load_old(rev: str) -> dict:
     """The old configs module of ``rev``, run with the two helpers it imports."""
     source = subprocess.run(["git", "-C", REPO, "show", f"{rev}:llmkernels/ops/norm/configs.py"], check=True,
                             capture_output=True, text=True).stdout
-    from llmkernels.ops._launch import cdiv, next_pow2
+    from llmkernels.ops._args import cdiv, next_pow2
 
-    source = source.replace("from .._launch import cdiv, next_pow2", "")
+    source = re.sub(r"from \.\._\w+ import cdiv, next_pow2\n", "", source)
     namespace = {"cdiv": cdiv, "next_pow2": next_pow2, "__name__": "old_norm_configs"}
     exec(compile(source, f"{rev}:llmkernels/ops/norm/configs.py", "exec"), namespace)
     return namespace

@@ -56,30 +56,19 @@ def _version(dist: str):
         return None
 
 
-def _theoretical_gbps(index: int):
-    """Peak DRAM bandwidth from the memory clock (kHz, double data rate) and bus width (bits),
-    as the CUDA driver reports them through Triton; None when they cannot be read."""
-    try:
-        import triton
-
-        props = triton.runtime.driver.active.utils.get_device_properties(index)
-        return 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8 / 1e9
-    except Exception:
-        return None
-
-
 def _gpu_lines(torch) -> list:
     if not torch.cuda.is_available():
         return ["GPU           none (CPU tensors run through Triton's interpreter when TRITON_INTERPRET=1, "
                 "else the plain-PyTorch reference)", "configs       heuristic (the interpreter's: the H100's tables)"]
     from .bench.runner import copy_bandwidth
+    from .ops import _device
 
     lines = []
     for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
+        props = _device.properties(index)
         line = (f"GPU {index}         {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
                 f"{props.total_memory / 2**30:.1f} GiB")
-        peak = _theoretical_gbps(index)
+        peak = _device.clock_gbps(index)
         try:
             copy = f"{copy_bandwidth(torch.device('cuda', index)):.0f} GB/s device-to-device copy"
         except Exception as exc:  # out of memory, a busy device: the rest of the report still helps
@@ -95,7 +84,7 @@ def _configs_line(index: int) -> str:
     from .ops import _device
 
     model, tuned = _device.device_model(index), _device.tuned(index)
-    hidden = " (tuned caches hidden: LLMKERNELS_TUNED=0)" if _device.hidden() else ""
+    hidden = " (tuned caches hidden: LLMKERNELS_TUNED=0)" if _device.tuned_caches_off() else ""
     return (f"              configs: {tuned.source}{hidden}; heuristic at depth {model.depth} "
             f"(copy {model.copy_gbps:.0f} GB/s, {model.copy_source}; {model.in_flight_per_sm} B in flight an SM)")
 

@@ -162,8 +162,8 @@ def test_interpreted_launch_is_the_plain_triton_call(gpu_launch, monkeypatch):
 
 def test_launcher_is_made_once_per_options():
     kernel = FakeKernel()
-    assert _launch.launcher(kernel, num_warps=4, BLOCK=64) is _launch.launcher(kernel, num_warps=4, BLOCK=64)
-    assert _launch.launcher(kernel, num_warps=8, BLOCK=64) is not _launch.launcher(kernel, num_warps=4, BLOCK=64)
+    assert _launch.launcher_of(kernel, num_warps=4, BLOCK=64) is _launch.launcher_of(kernel, num_warps=4, BLOCK=64)
+    assert _launch.launcher_of(kernel, num_warps=8, BLOCK=64) is not _launch.launcher_of(kernel, num_warps=4, BLOCK=64)
 
 
 def test_launches_are_looked_up_by_value_first(gpu_launch, monkeypatch):
@@ -188,7 +188,7 @@ def test_launches_are_looked_up_by_value_first(gpu_launch, monkeypatch):
 
 def test_plans_are_made_once_per_key_and_bounded():
     made = []
-    plans = _launch.Plans(lambda *key: made.append(key) or len(made), limit=2)
+    plans = _launch.PlanCache(lambda *key: made.append(key) or len(made), limit=2)
     assert plans[1, "a"] == 1 and plans[1, "a"] == 1 and plans[7] == 2  # (a key that is not a tuple: make(key))
     assert made == [(1, "a"), (7,)]
     assert plans[2, "b"] == 3 and len(plans) == 1  # full: the earlier plans were dropped

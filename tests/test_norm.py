@@ -13,7 +13,7 @@ import triton.language as tl
 
 import llmkernels as lk
 from llmkernels import reference
-from llmkernels.ops import _launch, _rowsplit
+from llmkernels.ops import _device, _rowsplit
 from llmkernels.ops.norm import (BACKWARD, BWD_PLANS, FORWARD, FWD_PLANS, BwdConfig, FwdConfig, NormConfig, NormKey,
                                  NormOptions, SplitBwdConfig, SplitFwdConfig, backward_config, check_config,
                                  forward_config, norm_fwd)
@@ -538,13 +538,13 @@ def test_errors(device):
 def test_pipeline_stages_fit_shared_memory(monkeypatch):
     """Stages are lowered until their buffers (stages - 1 of them) fit a program's shared memory,
     and dropped (0) when not one does; nothing changes off a GPU or without pipelining."""
-    monkeypatch.setattr(_launch, "_shared_memory", lambda index: 232448)  # H100
+    monkeypatch.setattr(_device, "device_model", lambda index: _device.REFERENCE)  # an H100: 232448 B a program
     gpu = torch.device("cuda", 0)
-    assert _launch.fit_stages(4, 65536, gpu) == 4  # 3 x 64 KiB
-    assert _launch.fit_stages(4, 98304, gpu) == 3  # fp32 x, dy and dh of 8192 columns
-    assert _launch.fit_stages(3, 250000, gpu) == 0
-    assert _launch.fit_stages(1, 10**9, gpu) == 1 and _launch.fit_stages(0, 10**9, gpu) == 0
-    assert _launch.fit_stages(4, 10**9, torch.device("cpu")) == 4
+    assert _device.fit_stages(4, 65536, gpu) == 4  # 3 x 64 KiB
+    assert _device.fit_stages(4, 98304, gpu) == 3  # fp32 x, dy and dh of 8192 columns
+    assert _device.fit_stages(3, 250000, gpu) == 0
+    assert _device.fit_stages(1, 10**9, gpu) == 1 and _device.fit_stages(0, 10**9, gpu) == 0
+    assert _device.fit_stages(4, 10**9, torch.device("cpu")) == 4
 
 
 @triton.jit

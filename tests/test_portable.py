@@ -27,8 +27,8 @@ def test_both_sources_and_the_summary_grows(tmp_path, monkeypatch):
     seen = []
 
     def tuned_of(device):
-        seen.append(_device.hidden())
-        return _device.NONE if _device.hidden() else _device.Tuned("installed.json")
+        seen.append(_device.tuned_caches_off())
+        return _device.NONE if _device.tuned_caches_off() else _device.Tuned("installed.json")
     monkeypatch.setattr(_device, "tuned_of", tuned_of)
     portable, out = _portable(), tmp_path / "summary.json"
     assert portable.main(["--tiny", "--ops", "norm", "--providers", "llmkernels,torch", "--out", str(out)]) == 0
@@ -43,4 +43,4 @@ def test_both_sources_and_the_summary_grows(tmp_path, monkeypatch):
     assert all(set(r) >= {"op", "n", "dtype", "provider", "fwd_pct", "bwd_pct", "config_source"} and "notes" not in r
                for r in records)
     assert len(summary["header"]["commands"]) == 2 and "device" in summary["header"]
-    assert True in seen and not _device.hidden()
+    assert True in seen and not _device.tuned_caches_off()

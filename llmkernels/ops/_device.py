@@ -79,7 +79,7 @@ class DeviceModel:
 # The device the tables were measured on (benchmarks/results/): an H100 SXM at its measured copy.
 REFERENCE = DeviceModel("NVIDIA H100 80GB HBM3", sms=132, registers_per_sm=65536, shared_memory_per_sm=232448,
                         l2_bytes=50 * 2**20, copy_gbps=3000.0)
-# Triton's interpreter runs a handful of programs (``_launch.persistent_programs``) at the
+# Triton's interpreter runs a handful of programs (``persistent_programs``) at the
 # reference's bandwidth each, so CPU tests take the reference's choices.
 INTERPRETER = dataclasses.replace(REFERENCE, name="cpu (Triton interpreter)", sms=4,
                                   copy_gbps=REFERENCE.gbps_per_sm * 4, copy_source="assumed")
@@ -98,6 +98,14 @@ def more_programs(config, depth: int, slice_field: str, min_slice: int, max_per_
     return config
 
 
+def slug(name: str) -> str:
+    """A device name as a file name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# --------------------------------------------------------------------------------------------
+# the device of a tensor, and its properties: the one place they are read
+# --------------------------------------------------------------------------------------------
 def device_index(device: torch.device) -> int:
     """The CUDA index of ``device`` (its own, or the current device's); -1 for the CPU."""
     if device.type != "cuda":
@@ -105,16 +113,24 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def slug(name: str) -> str:
-    """A device name as a file name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+def device_of(index: int) -> torch.device:
+    """The device of ``Tensor.get_device()``'s ``index`` (-1: the CPU, under the interpreter), for
+    plans keyed on the index."""
+    return torch.device("cpu") if index < 0 else torch.device("cuda", index)
 
 
-def _driver_properties(index: int) -> dict:
-    try:  # Triton's driver utilities are not public API: an empty dict falls back to torch's
-        return dict(triton.runtime.driver.active.utils.get_device_properties(index))
-    except (AttributeError, KeyError, TypeError, RuntimeError):
-        return {}
+@functools.lru_cache(maxsize=None)
+def properties(index: int):
+    """``torch.cuda.get_device_properties(index)``, read once."""
+    return torch.cuda.get_device_properties(index)
+
+
+def clock_gbps(index: int) -> Optional[float]:
+    """Peak DRAM bandwidth of CUDA device ``index`` from its memory clock (kHz, double data rate)
+    and bus width (bits); None where torch reports neither."""
+    props = properties(index)
+    clock, bus = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock * 1e3 * bus / 8 / 1e9 if clock and bus else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,22 +140,37 @@ def device_model(index: int) -> DeviceModel:
     multiprocessor."""
     if index < 0:
         return INTERPRETER
-    props, driver = torch.cuda.get_device_properties(index), _driver_properties(index)
+    props = properties(index)
     sms = props.multi_processor_count
     copy, source = tuned(index).copy_gbps, "measured"
     if copy is None:
-        clock = getattr(props, "memory_clock_rate", 0) or driver.get("mem_clock_rate", 0)  # kHz
-        bus = getattr(props, "memory_bus_width", 0) or driver.get("mem_bus_width", 0)  # bits
-        copy, source = (COPY_EFFICIENCY * 2 * clock * 1e3 * bus / 8 / 1e9, "clocks") if clock and bus else (
-            REFERENCE.gbps_per_sm * sms, "assumed")
-    return DeviceModel(props.name, sms, driver.get("max_num_regs", REFERENCE.registers_per_sm),
-                       driver.get("max_shared_mem", getattr(props, "shared_memory_per_block_optin", 0))
-                       or REFERENCE.shared_memory_per_sm,
-                       getattr(props, "L2_cache_size", REFERENCE.l2_bytes), float(copy), source)
+        peak = clock_gbps(index)
+        copy, source = (COPY_EFFICIENCY * peak, "clocks") if peak else (REFERENCE.gbps_per_sm * sms, "assumed")
+    return DeviceModel(props.name, sms, getattr(props, "regs_per_multiprocessor", 0) or REFERENCE.registers_per_sm,
+                       getattr(props, "shared_memory_per_block_optin", 0) or REFERENCE.shared_memory_per_sm,
+                       getattr(props, "L2_cache_size", 0) or REFERENCE.l2_bytes, float(copy), source)
 
 
 def model_of(device: torch.device) -> DeviceModel:
     return device_model(device_index(device))
+
+
+def persistent_programs(device: torch.device, per_sm: int) -> int:
+    """How many programs a persistent grid should launch: ``per_sm`` per multiprocessor on a
+    GPU; a handful under the interpreter, where every program runs in turn on the CPU."""
+    if device.type != "cuda":
+        return 4
+    return model_of(device).sms * per_sm
+
+
+def fit_stages(stages: int, stage_bytes: int, device: torch.device) -> int:
+    """``stages`` of Triton's software pipelining (< 2: none) for a loop that keeps ``stage_bytes``
+    of loads in flight per stage, lowered until its ``stages - 1`` shared-memory buffers fit a
+    program beside its reductions' scratch; 0 (no pipelining) when not even one fits."""
+    if stages < 2 or device.type != "cuda":
+        return stages
+    fit = 1 + (model_of(device).shared_memory_per_sm - 8192) // stage_bytes
+    return min(stages, fit) if fit >= 2 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +229,7 @@ def shipped_cache_path(name: str) -> str:
     return os.path.join(SHIPPED, f"{slug(name)}.json")
 
 
-def hidden() -> bool:
+def tuned_caches_off() -> bool:
     """``LLMKERNELS_TUNED=0``: no tuned cache is read (the derived heuristic alone)."""
     return os.environ.get("LLMKERNELS_TUNED", "1") == "0"
 
@@ -239,8 +270,8 @@ def read_cache(path: str) -> Tuned:
 
 def load(name: str) -> Tuned:
     """The tuned cache of device ``name``: the user's for this Triton and llmkernels, else the
-    shipped one, else ``NONE`` (also when ``hidden()``)."""
-    if hidden():
+    shipped one, else ``NONE`` (also when ``tuned_caches_off()``)."""
+    if tuned_caches_off():
         return NONE
     for path in (user_cache_path(name), shipped_cache_path(name)):
         found = read_cache(path)
@@ -252,7 +283,7 @@ def load(name: str) -> Tuned:
 @functools.lru_cache(maxsize=None)
 def tuned(index: int) -> Tuned:
     """The tuned cache of CUDA device ``index``, read once (-1, the interpreter: none)."""
-    return NONE if index < 0 else load(torch.cuda.get_device_name(index))
+    return NONE if index < 0 else load(properties(index).name)
 
 
 def tuned_of(device: torch.device) -> Tuned:

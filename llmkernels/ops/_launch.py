@@ -1,21 +1,28 @@
-"""Where kernels run, what the device offers, argument checks, and the cached kernel launch.
+"""Where kernels run, and the cached kernel launch.
 
-The launch: Triton's ``kernel[grid](...)`` binds the arguments, formats a cache key as a string
-and looks the compiled kernel up on every call, which takes longer on the host than the kernel
-on the GPU at decode sizes. A :class:`Launcher` holds one kernel with its launch options
-and constexprs fixed, keeps the compiled kernels it was given by Triton, keyed on exactly what
-Triton specialises them on, and calls the compiled kernel's launcher directly after the first
-call for a key. ``launch(kernel, grid, *args, **options)`` finds the Launcher of those options.
+Three names, from the bottom up:
+
+  - :class:`Launcher`: one kernel with its launch options (``num_warps``, every constexpr) fixed,
+    called as ``handle(grid, *args)``. Triton's ``kernel[grid](...)`` binds the arguments, formats
+    a cache key as a string and looks the compiled kernel up on every call, which takes longer on
+    the host than the kernel on the GPU at decode sizes; a Launcher keeps the compiled kernels
+    Triton gave it, keyed on exactly what Triton specialises them on, and calls a compiled
+    kernel's own launcher directly after the first call for a key.
+  - :func:`launcher_of`: the Launcher of a kernel and options, made once (what a plan keeps).
+  - :func:`launch`: ``kernel[grid](*args, **options)`` through that Launcher, for a launch
+    that no plan keeps.
+
+:class:`PlanCache` holds a family's launch plans by key (what decides a launch: sizes, dtypes,
+flags), each made once: the configuration, the grid and the Launchers of one key.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 
 import torch
 
-from ._triton import HAVE_TRITON, knobs, tl, triton
+from ._triton import HAVE_TRITON, knobs, tl
 
 # Triton's interpreter runs the real kernel code on CPU tensors; it must be chosen before triton
 # is imported, so it is read once here.
@@ -50,94 +57,6 @@ def use_kernels(t: torch.Tensor) -> bool:
     tensor, or a CPU tensor under the interpreter. Otherwise the ops fall back to
     ``llmkernels.reference``."""
     return HAVE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
-
-
-# --------------------------------------------------------------------------------------------
-# device queries
-# --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def persistent_programs(device: torch.device, per_sm: int) -> int:
-    """How many programs a persistent grid should launch: ``per_sm`` per multiprocessor on a
-    GPU; a handful under the interpreter, where every program runs in turn on the CPU."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index) * per_sm
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device_index: int) -> int:
-    """Shared memory a program may use (opt-in maximum), in bytes."""
-    try:  # Triton's driver utilities are not public API: torch's property is the fallback
-        return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-    except (AttributeError, KeyError, TypeError):
-        return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
-def fit_stages(stages: int, stage_bytes: int, device: torch.device) -> int:
-    """``stages`` of Triton's software pipelining (< 2: none) for a loop that keeps ``stage_bytes``
-    of loads in flight per stage, lowered until its ``stages - 1`` shared-memory buffers fit a
-    program beside its reductions' scratch; 0 (no pipelining) when not even one fits."""
-    if stages < 2 or device.type != "cuda":
-        return stages
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    fit = 1 + (_shared_memory(index) - 8192) // stage_bytes
-    return min(stages, fit) if fit >= 2 else 0
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division on the host (``triton.cdiv`` is a JIT function, slow to call from Python)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-# --------------------------------------------------------------------------------------------
-# arguments
-# --------------------------------------------------------------------------------------------
-def check_tensor(name: str, t, *, like: torch.Tensor | None = None, like_name: str = "x",
-                 floating: bool = True) -> None:
-    """Raise TypeError/ValueError naming ``name`` when ``t`` is not a tensor, not floating point
-    (when ``floating``), or not on the device of ``like`` (the op's main input, ``like_name``)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if floating and not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if like is not None and t.device != like.device:
-        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}: move them to one device")
-
-
-def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """View ``t [..., n]`` as ``[rows, n]`` with unit stride along the last dimension, copying
-    only when no such view exists (a transposed last dim, or leading dims that don't merge)."""
-    if t.dim() == 0 or t.stride(-1) != 1:
-        t = t.contiguous()
-    if t.dim() == 2:
-        return t
-    return t.reshape(-1, n)  # a view where one exists (no try/except: torch.compile cannot trace it)
-
-
-def pointer(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
-    """``t``, or ``stand_in`` where ``t`` is absent: a kernel's pointer argument must be a tensor
-    even where a switch (HAS_W, HAS_RES, ...) keeps the kernel from touching it."""
-    return stand_in if t is None else t
-
-
-def device_of(index: int) -> torch.device:
-    """The device of ``Tensor.get_device()``'s ``index`` (-1: the CPU, under the interpreter), for
-    plans keyed on the index."""
-    return torch.device("cpu") if index < 0 else torch.device("cuda", index)
-
-
-def row_stride(t: torch.Tensor | None) -> int:
-    """``t.stride(0)``, or 0 for an absent ``t`` (a stride the kernel then never uses)."""
-    return 0 if t is None else t.stride(0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,15 +131,10 @@ def _stream_handle(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _device_index() -> int:
-    return torch.cuda.current_device()
-
-
-# torch's raw-stream and device queries skip building a Stream object and the Python checks of
-# ``torch.cuda.current_device`` (CUDA is initialised by then: the arguments are CUDA tensors);
-# they are not public API, so guarded.
+# torch's raw-stream query skips building a Stream object on every launch; it is not public API,
+# so guarded (ARCHITECTURE.md lists it with its measured benefit and the test of a break).
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or _device_index
+_current_device = torch.cuda.current_device
 _PUBLIC = object()  # a key whose compiled kernel is launched through ``kernel[grid]`` (no direct handle)
 
 
@@ -245,7 +159,7 @@ class Launcher:
     such as ``num_warps`` and every constexpr), with the compiled kernels cached here: call it
     as ``launcher(grid, *args)``, ``args`` the kernel's runtime arguments in order. Under the
     interpreter it is the plain Triton call. Resolve one once per configuration and keep it to
-    skip even the lookup of :func:`launcher`."""
+    skip even the lookup of :func:`launcher_of`."""
 
     __slots__ = ("kernel", "options", "_compiled", "_fingerprint", "_tail", "_kinds", "_values", "_by_values")
 
@@ -322,7 +236,7 @@ class Launcher:
 _LAUNCHERS: dict = {}
 
 
-def launcher(kernel, **options) -> Launcher:
+def launcher_of(kernel, **options) -> Launcher:
     """The :class:`Launcher` of ``kernel`` with ``options`` (``num_warps=...`` and every
     constexpr by name), made on first use."""
     # (the kernel's id: a JIT function hashes in Python; the names, then the values: cheaper to hash
@@ -334,13 +248,19 @@ def launcher(kernel, **options) -> Launcher:
     return found
 
 
-class Plans(dict):
-    """Launch plans by key: ``plans[key]`` is ``make(*key)`` (``make(key)`` for a key that is not a
-    tuple), made on the first look-up of the key
-    (a dict look-up after that). An op keys its plans on what decides its launch (sizes, dtype,
-    flags) and keeps in a plan what it would otherwise derive on every call: the configuration,
-    the grid, the :class:`Launcher`. At most ``limit`` are kept (all are dropped when full: the
-    sizes of a run are few)."""
+def launch(kernel, grid: tuple, *args, **options) -> None:
+    """``kernel[grid](*args, **options)`` through the cached :class:`Launcher` of ``options``.
+    ``args`` are the kernel's runtime arguments in order; ``options`` name ``num_warps`` (and
+    any other launch option) and every remaining parameter."""
+    (_LAUNCHERS.get((id(kernel), *options, *options.values())) or launcher_of(kernel, **options))(grid, *args)
+
+
+class PlanCache(dict):
+    """A family's launch plans by key: ``plans[key]`` is ``make(*key)`` (``make(key)`` for a key
+    that is not a tuple), made on the first look-up of the key (a dict look-up after that). An op
+    keys its plans on what decides its launch (sizes, dtype, flags) and keeps in a plan what it
+    would otherwise derive on every call: the configuration, the grid, the :class:`Launcher`. At
+    most ``limit`` are kept (all are dropped when full: the sizes of a run are few)."""
 
     __slots__ = ("make", "limit")
 
@@ -356,7 +276,7 @@ class Plans(dict):
         return plan
 
 
-_ALL_PLANS: list = []  # every family's plans (module-level, made once at import)
+_ALL_PLANS: list = []  # every family's plan caches (module-level, made once at import)
 
 
 def clear_plans() -> None:
@@ -364,10 +284,3 @@ def clear_plans() -> None:
     again (after the configuration source changed: ``_device.heuristic_only``)."""
     for plans in _ALL_PLANS:
         plans.clear()
-
-
-def launch(kernel, grid: tuple, *args, **options) -> None:
-    """``kernel[grid](*args, **options)`` through the cached :class:`Launcher` of ``options``.
-    ``args`` are the kernel's runtime arguments in order; ``options`` name ``num_warps`` (and
-    any other launch option) and every remaining parameter."""
-    (_LAUNCHERS.get((id(kernel), *options, *options.values())) or launcher(kernel, **options))(grid, *args)

@@ -16,7 +16,9 @@ import os
 
 import torch
 
-from ._launch import INTERPRET, INTERPRET_CONST, cdiv, persistent_programs
+from ._args import cdiv
+from ._device import persistent_programs
+from ._launch import INTERPRET, INTERPRET_CONST
 from ._triton import tl, triton
 
 ROW_SPLIT = os.environ.get("LLMKERNELS_ROW_SPLIT", "1") != "0"

@@ -36,7 +36,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from ._launch import Plans, as_rows, cdiv, check_tensor, launcher, use_kernels
+from ._args import as_rows, cdiv, check_tensor
+from ._launch import PlanCache, launcher_of, use_kernels
 from ._register import Op
 from ._triton import tl, triton
 from .configs.glu import GluConfig, glu_config
@@ -133,13 +134,13 @@ def _plan(kernel, key: GluKey, **flags):
     """(the Launcher, the grid) of ``kernel`` over ``[m, n]`` in ``config`` (default ``glu_config``'s)."""
     m, n = key.m, key.n
     config = key.config or glu_config(m, n)
-    handle = launcher(kernel, ACTIVATION=key.options.activation, **flags, BLOCK_M=config.block_m,
+    handle = launcher_of(kernel, ACTIVATION=key.options.activation, **flags, BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, num_warps=config.num_warps)
     return handle, (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
 
 
-_FWD = Plans(lambda key: _plan(_glu_fwd_kernel, key))
-_BWD = Plans(lambda key: _plan(_glu_bwd_kernel, key, STORE_Y=key.store_y))
+_FWD = PlanCache(lambda key: _plan(_glu_fwd_kernel, key))
+_BWD = PlanCache(lambda key: _plan(_glu_bwd_kernel, key, STORE_Y=key.store_y))
 
 
 def _rows(t: torch.Tensor, n: int) -> tuple:

@@ -30,7 +30,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from ._launch import Plans, cdiv, check_tensor, device_of, launcher, next_pow2, use_kernels
+from ._args import cdiv, check_tensor, next_pow2
+from ._device import device_of
+from ._launch import PlanCache, launcher_of, use_kernels
 from ._register import Op
 from ._triton import tl, triton
 # (rope_config: the family's default, importable from the family's module)
@@ -168,14 +170,14 @@ def _plan(key: RopeKey):
     n_tokens, hq, hk, d, config, options = key.n_tokens, key.hq, key.hk, key.d, key.config, key.options
     config = config or rope_config(n_tokens, hq, hk, d, rope_tiles(d, hq, hk, device_of(key.device_index)))
     r = options.rotary_dim
-    handle = launcher(_rope_kernel, HAS_K=key.has_k, HAS_POS=key.has_pos, INTERLEAVED=options.interleaved,
+    handle = launcher_of(_rope_kernel, HAS_K=key.has_k, HAS_POS=key.has_pos, INTERLEAVED=options.interleaved,
                       BACKWARD=options.backward, COPY_PASS=key.copy_pass, BLOCK_T=config.block_t,
                       BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk, HALF=max(1, next_pow2(r // 2)),
                       PASS=max(1, next_pow2(d - r)), num_warps=config.num_warps)
     return handle, (cdiv(n_tokens, config.block_t),)
 
 
-_PLANS = Plans(_plan)
+_PLANS = PlanCache(_plan)
 _NO_STRIDES = (0, 0, 0, 0)
 # Where batch, sequence and head are in q's dimensions, by layout.
 _DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1)}

@@ -24,7 +24,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..ops._launch import cdiv, check_tensor, launch, use_kernels
+from ..ops._args import cdiv, check_tensor
+from ..ops._launch import launch, use_kernels
 from ..ops._triton import tl, triton
 from ..ops.losses.base import (check_loss_options, check_target, finish_target_check,
                                grad_coefs, grad_tile, is_dtensor, row_lse, scale_rows_, start_target_check)

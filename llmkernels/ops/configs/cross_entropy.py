@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _device
-from .._launch import cdiv, next_pow2
+from .._args import cdiv, next_pow2
 from .._rowsplit import split_grid
 
 MIN_SPLIT_BLOCK_V = 16384  # the narrowest slice an in-place split program takes when a device asks for more

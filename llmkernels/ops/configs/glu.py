@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._launch import next_pow2
+from .._args import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from .. import _device
-from .._launch import next_pow2
+from .._args import next_pow2
 
 MAX_TILE_ELEMENTS = 8192  # 64 elements a thread at 4 warps: no more is held for a step
 

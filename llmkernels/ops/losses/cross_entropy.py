@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import reference
-from .._launch import check_tensor, use_kernels
+from .._args import check_tensor
+from .._launch import use_kernels
 from .._register import Op
 from ..configs.cross_entropy import CrossEntropyConfig
 from .base import (RowLoss, ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,

@@ -33,7 +33,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import reference
-from .._launch import cdiv, launch, pointer, use_kernels
+from .._args import cdiv, or_stand_in
+from .._launch import launch, use_kernels
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (DEFAULT_MEMORY, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
@@ -221,8 +222,8 @@ def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, tar
         torch.mm(teacher_hidden[a:b], teacher_weight.t(), out=t)
         row_scale = None if scale is None else (scale if scale.dim() == 0 else scale[a:b])
         row_target = None if target is None else target[a:b]
-        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b], pointer(row_target, loss_rows),
-               pointer(row_scale, loss_rows), v, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(row_scale),
+        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b], or_stand_in(row_target, loss_rows),
+               or_stand_in(row_scale, loss_rows), v, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(row_scale),
                options.ignore_index, 1.0 / options.temperature, options.beta, GRAD=grad,
                BLOCK_V=DEFAULT_CONFIG.distill.block_v, **_kernel_flags(options, target, row_scale))
         if grad and grad_hidden is not None:
@@ -250,8 +251,8 @@ def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teache
         s, t = s_buf[: m * n].view(m, n), t_buf[: m * n].view(m, n)  # contiguous: cuBLAS writes them in place
         torch.mm(student_hidden, student_weight[v0:v0 + n].t(), out=s)
         torch.mm(teacher_hidden, teacher_weight[v0:v0 + n].t(), out=t)
-        launch(_distill_block_kernel, (m, cdiv(n, block)), s, t, stats, pointer(target, stats),
-               pointer(scale, stats), n, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(scale),
+        launch(_distill_block_kernel, (m, cdiv(n, block)), s, t, stats, or_stand_in(target, stats),
+               or_stand_in(scale, stats), n, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(scale),
                options.ignore_index, 1.0 / options.temperature, options.beta, BLOCK=block,
                **_kernel_flags(options, target, scale))
         torch.mm(s.t(), student_hidden, out=grad_weight[v0:v0 + n])

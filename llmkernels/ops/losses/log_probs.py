@@ -26,7 +26,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import reference
-from .._launch import launch, pointer, use_kernels
+from .._args import or_stand_in
+from .._launch import launch, use_kernels
 from .._register import Op
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
@@ -92,8 +93,8 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
             torch.mm(hidden[a:b], weight.t(), out=logits)
         else:
             torch.addmm(bias, hidden[a:b], weight.t(), out=logits)
-        launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], pointer(entropy, lse)[a:b],
-               lse[a:b], pointer(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / options.temperature,
+        launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], or_stand_in(entropy, lse)[a:b],
+               lse[a:b], or_stand_in(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / options.temperature,
                ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
     finish_target_check(pending, target, v, ignore_index)
     return logp, entropy, lse, mu

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from ... import reference
-from .._launch import as_rows, check_tensor, use_kernels
+from .._args import as_rows, check_tensor
+from .._launch import use_kernels
 from .._register import Op
 from .configs import NormConfig, check_config
 from .launchers import NormOptions, NormOutputs, norm_bwd, norm_fwd

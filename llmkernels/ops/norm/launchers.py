@@ -14,9 +14,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._device import model_of, tuned_of
-from .._launch import (Launcher, Plans, cdiv, device_of, fit_stages, launcher, next_pow2, persistent_programs,
-                       pointer, row_stride)
+from .._args import cdiv, next_pow2, or_stand_in, row_stride
+from .._device import device_of, fit_stages, model_of, persistent_programs, tuned_of
+from .._launch import Launcher, PlanCache, launcher_of
 from .._rowsplit import resident_registers, split_grid
 from .backward import norm_bwd_dots_kernel, norm_bwd_kernel, norm_bwd_split_kernel, sum_partials_kernel
 from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
@@ -108,10 +108,10 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
     switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=quantize,
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
-        return launcher(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+        return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages,
                         num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
-    return launcher(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    return launcher_of(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
 
@@ -124,9 +124,9 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
     the dW / dB columns and rows a step, where it sums them (decode sizes)."""
     switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=quantize)
     if isinstance(config, SplitBwdConfig):
-        return launcher(norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
+        return launcher_of(norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
-    return launcher(norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
+    return launcher_of(norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
                     BLOCK_N=config.block_n, PREFETCH=stages, DW_COLS=dw_cols, DW_ROWS=dw_rows, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
 
@@ -155,7 +155,7 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
 
-FWD_PLANS = Plans(_forward_plan)
+FWD_PLANS = PlanCache(_forward_plan)
 
 
 def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -176,12 +176,12 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
                                            bias is not None, store_stats, options, config)]
     eps, weight_offset = options.eps, options.weight_offset
     if slots is None:
-        handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
-               pointer(mean, y), pointer(rstd, y), m, n, options.heads, x.stride(0), row_stride(residual), y.stride(0),
-               row_stride(h), eps, weight_offset)
+        handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
+               or_stand_in(mean, y), or_stand_in(rstd, y), m, n, options.heads, x.stride(0), row_stride(residual),
+               y.stride(0), row_stride(h), eps, weight_offset)
     else:
-        handle(grid, x, pointer(residual, x), pointer(weight, x), pointer(bias, x), y, pointer(h, y),
-               pointer(mean, y), pointer(rstd, y), torch.zeros(slots, dtype=torch.int64, device=dev), m, n,
+        handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
+               or_stand_in(mean, y), or_stand_in(rstd, y), torch.zeros(slots, dtype=torch.int64, device=dev), m, n,
                x.stride(0), row_stride(residual), y.stride(0), row_stride(h), eps, weight_offset)
     return y, h, mean, rstd
 
@@ -226,7 +226,7 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
                         device)
     handle = _bwd_launcher(config, stages=stages, heads=heads, dw_cols=dw_cols,
                            dw_rows=min(next_pow2(m), max(1, DW_STEP_ELEMENTS // dw_cols)) if dw_cols else 1, **switches)
-    dots = None if config.one_pass else launcher(norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=w_dtype is not None,
+    dots = None if config.one_pass else launcher_of(norm_bwd_dots_kernel, IS_RMS=is_rms, HAS_W=w_dtype is not None,
                                                  PER_HEAD=heads > 1, BLOCK_N=DOTS_BLOCK_N, num_warps=DOTS_WARPS)
     return _with_sums(handle, (programs, heads, chunks), None, dots, 1 if dw_cols else programs, heads * n,
                       switches)
@@ -237,12 +237,12 @@ def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches:
     if partials == 1:
         return BwdPlan(handle, grid, slots, dots, 1, None, ())
     block_n = min(SUMS_BLOCK_N, next_pow2(columns))
-    sums = launcher(sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
+    sums = launcher_of(sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,
                     BLOCK_N=block_n, num_warps=SUMS_WARPS)
     return BwdPlan(handle, grid, slots, dots, partials, sums, (cdiv(columns, block_n),))
 
 
-BWD_PLANS = Plans(_backward_plan)
+BWD_PLANS = PlanCache(_backward_plan)
 
 
 def norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, weight: Optional[torch.Tensor],
@@ -275,26 +275,26 @@ def norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], xin: torch.Tensor, we
     db_part = None if bias_dtype is None else torch.empty((partials, heads * n), dtype=part_dtype or bias_dtype,
                                                           device=dev)
     if plan.slots is not None:
-        plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
-                    pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd,
+        plan.launch(plan.grid, xin, or_stand_in(weight, xin), dy, or_stand_in(dh, dy), dx, or_stand_in(dres, dx),
+                    or_stand_in(dw_part, dx), or_stand_in(db_part, dx), or_stand_in(mean, rstd), rstd,
                     torch.zeros(plan.slots, dtype=torch.int64, device=dev), m, n, xin.stride(0), dy.stride(0),
                     row_stride(dh), dx.stride(0), row_stride(dres), options.weight_offset)
     else:
         dots = None
         if plan.dots is not None:
             dots = torch.empty((m, 2), dtype=torch.float32, device=dev)
-            plan.dots((m,), xin, pointer(weight, xin), dy, pointer(mean, rstd), rstd, dots, n, heads, xin.stride(0),
-                      dy.stride(0), options.weight_offset)
-        plan.launch(plan.grid, xin, pointer(weight, xin), dy, pointer(dh, dy), dx, pointer(dres, dx),
-                    pointer(dw_part, dx), pointer(db_part, dx), pointer(mean, rstd), rstd, pointer(dots, rstd),
-                    m // heads, n, heads, xin.stride(0), dy.stride(0), row_stride(dh), dx.stride(0), row_stride(dres),
-                    options.weight_offset)
+            plan.dots((m,), xin, or_stand_in(weight, xin), dy, or_stand_in(mean, rstd), rstd, dots, n, heads,
+                      xin.stride(0), dy.stride(0), options.weight_offset)
+        plan.launch(plan.grid, xin, or_stand_in(weight, xin), dy, or_stand_in(dh, dy), dx, or_stand_in(dres, dx),
+                    or_stand_in(dw_part, dx), or_stand_in(db_part, dx), or_stand_in(mean, rstd), rstd,
+                    or_stand_in(dots, rstd), m // heads, n, heads, xin.stride(0), dy.stride(0), row_stride(dh),
+                    dx.stride(0), row_stride(dres), options.weight_offset)
     if plan.sums is None:
         dw, db = (None if dw_part is None else dw_part[0]), (None if db_part is None else db_part[0])
     else:
         dw = None if weight is None else torch.empty(heads * n, dtype=weight.dtype, device=dev)
         db = None if bias_dtype is None else torch.empty(heads * n, dtype=bias_dtype, device=dev)
-        plan.sums(plan.sums_grid, pointer(dw_part, db_part), pointer(db_part, dw_part), pointer(dw, db),
-                  pointer(db, dw), partials, heads * n)
+        plan.sums(plan.sums_grid, or_stand_in(dw_part, db_part), or_stand_in(db_part, dw_part), or_stand_in(dw, db),
+                  or_stand_in(db, dw), partials, heads * n)
     # (dW is [heads * N]: a weight of that shape takes it as it is, a per-head one as a view)
     return dx, dres, dw if dw is None or weight.dim() == 1 else dw.view(weight.shape), db

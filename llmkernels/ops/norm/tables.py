@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .. import _device
-from .._launch import cdiv, next_pow2
+from .._args import cdiv, next_pow2
 from .configs import CONFIGS, BackwardConfig, BwdConfig, ForwardConfig, FwdConfig, SplitBwdConfig, SplitFwdConfig
 
 WARP = 32  # threads a warp

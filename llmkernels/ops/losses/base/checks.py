@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..._launch import check_tensor
+from ..._args import check_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
 # ``memory=`` of the linear losses: "fast" sums the weight gradient over row chunks in a [V, H]

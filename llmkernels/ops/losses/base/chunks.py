@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..._launch import cdiv, launch, pointer
+from ..._args import cdiv, or_stand_in
+from ..._launch import launch
 from ..._triton import tl, triton
 from ...configs.linear_losses import DEFAULT_CONFIG
 from .row_kernels import softcapped, through_softcap
@@ -143,7 +144,7 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
                 torch.mm(hidden, w.t(), out=block)
             else:
                 torch.addmm(bias[v0:v0 + n], hidden, w.t(), out=block)
-            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, target, lse, pointer(mu, lse), coefs,
+            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, target, lse, or_stand_in(mu, lse), coefs,
                    m, n, v0, block.stride(0), ignore_index, inv_temp, 1.0 if softcap is None else softcap,
                    HAS_B=mu is not None, HAS_C=has_c, HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v,
                    num_warps=kernel.num_warps)

@@ -9,7 +9,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..._launch import Plans, cdiv, device_of, launcher, next_pow2, persistent_programs, pointer, row_stride
+from ..._args import cdiv, next_pow2, or_stand_in, row_stride
+from ..._device import device_of, persistent_programs
+from ..._launch import PlanCache, launcher_of
 from ..._rowsplit import resident_registers
 from ...configs.cross_entropy import CrossEntropyConfig, ce_config, inplace_split, row_tiles, split_forward_parts
 from .row_kernels import (ce_combine_kernel, ce_fused_split_kernel, ce_kernel, ce_partial_kernel, finish_kernel,
@@ -113,9 +115,9 @@ def _rows_plan(key: RowsKey):
     parts, span = split_forward_parts(v, m, config) if forward and not grad else (1, v)
     if parts > 1:
         combine = config.split_forward
-        partial_kernel = launcher(ce_partial_kernel, **switches, BLOCK_V=config.forward.block_v,
+        partial_kernel = launcher_of(ce_partial_kernel, **switches, BLOCK_V=config.forward.block_v,
                                   num_warps=config.forward.num_warps)
-        combine_kernel = launcher(ce_combine_kernel, PARTS_POW2=next_pow2(parts), HAS_SMOOTHING=has_smoothing,
+        combine_kernel = launcher_of(ce_combine_kernel, PARTS_POW2=next_pow2(parts), HAS_SMOOTHING=has_smoothing,
                                   HAS_Z=has_z, STORE_Z=store_z, HAS_SOFTCAP=has_softcap,
                                   BLOCK_R=combine.combine_rows, num_warps=combine.combine_warps)
         partial_grid, combine_grid = (m * parts,), (cdiv(m, combine.combine_rows),)
@@ -123,7 +125,7 @@ def _rows_plan(key: RowsKey):
         def split_forward(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
             partials = logits.new_empty((3, m, parts), dtype=torch.float32)
             partial_kernel(partial_grid, logits, partials, m, v, logits.stride(0), cap, parts, span)
-            combine_kernel(combine_grid, logits, target, partials, loss, pointer(z_loss, loss), lse, m, v,
+            combine_kernel(combine_grid, logits, target, partials, loss, or_stand_in(z_loss, loss), lse, m, v,
                            logits.stride(0), ignore_index, smoothing, z_coef, cap, parts)
         return split_forward
     split = inplace_split(v, m, device, config) if forward and grad else None
@@ -132,13 +134,13 @@ def _rows_plan(key: RowsKey):
         inplace = config.split_inplace
         # (several programs a multiprocessor: registers capped so that every program is resident)
         resident = {} if inplace.per_sm == 1 else {"maxnreg": resident_registers(inplace.num_warps, inplace.per_sm)}
-        handle = launcher(ce_fused_split_kernel, MEAN=key.mean, HAS_SMOOTHING=has_smoothing, HAS_Z=has_z,
+        handle = launcher_of(ce_fused_split_kernel, MEAN=key.mean, HAS_SMOOTHING=has_smoothing, HAS_Z=has_z,
                           STORE_Z=store_z, HAS_SOFTCAP=has_softcap, PARTS=parts, PARTS_POW2=next_pow2(parts),
                           BLOCK_V=inplace.block_v, num_warps=inplace.num_warps, **resident)
         grid = (groups * parts,)
 
         def split_inplace(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
-            handle(grid, logits, target, loss, pointer(z_loss, loss), lse, dlogits, pointer(count, lse),
+            handle(grid, logits, target, loss, or_stand_in(z_loss, loss), lse, dlogits, or_stand_in(count, lse),
                    logits.new_zeros((m, parts, 4), dtype=torch.int64),
                    m, v, logits.stride(0), dlogits.stride(0), ignore_index, smoothing, z_coef, cap)
         return split_inplace
@@ -146,20 +148,21 @@ def _rows_plan(key: RowsKey):
     block_m, block_v, num_warps, one_block = row_tiles(v, m, row_pass, config)
     tiles = cdiv(m, block_m)
     grid = (tiles if row_pass.per_sm == 0 else min(tiles, persistent_programs(device, row_pass.per_sm)),)
-    handle = launcher(ce_kernel, FORWARD=forward, GRAD=grad, HAS_G=key.has_g, MEAN=key.mean,
+    handle = launcher_of(ce_kernel, FORWARD=forward, GRAD=grad, HAS_G=key.has_g, MEAN=key.mean,
                       HAS_SMOOTHING=has_smoothing, HAS_Z=has_z, STORE_Z=store_z, HAS_SOFTCAP=has_softcap,
                       PASS1_EVICT=row_pass.evict[0],
                       PASS2_EVICT=row_pass.evict[1], BLOCK_M=block_m, BLOCK_V=block_v, ONE_BLOCK=one_block,
                       num_warps=num_warps)
 
     def rows(logits, target, lse, loss, z_loss, dlogits, g, count, ignore_index, smoothing, z_coef, cap):
-        handle(grid, logits, target, pointer(loss, lse), pointer(z_loss, lse), lse, pointer(dlogits, logits),
-               pointer(g, lse), pointer(count, lse), m, v, logits.stride(0), row_stride(dlogits),
-               0 if g is None or g.dim() == 0 else g.stride(0), ignore_index, smoothing, z_coef, cap)
+        handle(grid, logits, target, or_stand_in(loss, lse), or_stand_in(z_loss, lse), lse,
+               or_stand_in(dlogits, logits), or_stand_in(g, lse), or_stand_in(count, lse), m, v, logits.stride(0),
+               row_stride(dlogits), 0 if g is None or g.dim() == 0 else g.stride(0), ignore_index, smoothing, z_coef,
+               cap)
     return rows
 
 
-_ROWS = Plans(_rows_plan)
+_ROWS = PlanCache(_rows_plan)
 
 
 def _scale_plan(r: int, n: int, device_index: int):
@@ -167,10 +170,10 @@ def _scale_plan(r: int, n: int, device_index: int):
     block_r = max(1, 4096 // block_n)
     device = device_of(device_index)
     programs = min(cdiv(r, block_r), persistent_programs(device, 8))
-    return launcher(scale_rows_kernel, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8), (programs,)
+    return launcher_of(scale_rows_kernel, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=8), (programs,)
 
 
-_SCALE = Plans(_scale_plan)
+_SCALE = PlanCache(_scale_plan)
 
 
 def scale_rows_(dx: torch.Tensor, g: torch.Tensor) -> None:
@@ -199,7 +202,7 @@ def _finish_plan(m: int, reduce: bool, mean: bool, has_z: bool, count_given: boo
     return one_program(finish_kernel, m, REDUCE=reduce, MEAN=mean, HAS_Z=has_z, COUNT_GIVEN=count_given)
 
 
-_FINISH = Plans(_finish_plan)
+_FINISH = PlanCache(_finish_plan)
 
 
 def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str, want_z: bool,
@@ -215,8 +218,8 @@ def finish_loss(loss_rows, z_rows, target, *, ignore_index: int, reduction: str,
     if reduction == "mean":
         out_count = count if count is not None else target.new_empty((), dtype=torch.int64)
     _FINISH[m, reduce, out_count is not None, z is not None, count is not None](
-        (1,), loss_rows, pointer(z_rows, loss_rows), target, pointer(out_count, loss_rows), loss, pointer(z, loss), m,
-        ignore_index)
+        (1,), loss_rows, or_stand_in(z_rows, loss_rows), target, or_stand_in(out_count, loss_rows), loss,
+        or_stand_in(z, loss), m, ignore_index)
     if want_z and z is None:
         z = torch.zeros_like(loss)
     return loss, z, out_count

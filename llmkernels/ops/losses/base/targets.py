@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from ..._launch import Plans, launcher, use_kernels
+from ..._launch import PlanCache, launcher_of, use_kernels
 from ..._triton import tl, triton
 
 
@@ -31,7 +31,7 @@ def _check_targets_kernel(T, ERR, M, V, ignore_index, BLOCK: tl.constexpr):
 def one_program(kernel, m: int, **switches):
     """The Launcher of a one-program kernel over M rows."""
     block, num_warps = (128, 4) if m <= 128 else (2048, 8)
-    return launcher(kernel, **switches, BLOCK=block, num_warps=num_warps)
+    return launcher_of(kernel, **switches, BLOCK=block, num_warps=num_warps)
 
 
 class _TargetFlag(threading.local):
@@ -57,7 +57,7 @@ class _TargetFlag(threading.local):
 
 
 _FLAG = _TargetFlag()
-_CHECK = Plans(lambda m: one_program(_check_targets_kernel, m))
+_CHECK = PlanCache(lambda m: one_program(_check_targets_kernel, m))
 # Whether the check kernel writes the pinned host word itself (unified addressing makes pinned host
 # memory a kernel's to write); turned off, and the word copied back from the device instead, where
 # Triton refuses it.

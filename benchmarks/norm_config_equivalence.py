@@ -133,8 +133,8 @@ LAUNCH_ROWS = (1, 5, 8, 16, 100, 256, 300, 4096)
 def _with_options(launchers, fwd, bwd):
     """``fwd`` and ``bwd`` that take one ``NormOptions`` record, called with the older positional
     arguments."""
-    def options(x_dtype, bias_dtype, res_dtype, heads, eps, offset, is_rms, quantize, out_dtype, h_dtype):
-        return launchers.NormOptions(is_rms, quantize, heads, eps, offset, out_dtype, h_dtype, x_dtype, res_dtype,
+    def options(x_dtype, bias_dtype, res_dtype, heads, eps, offset, is_rms, round_x_hat, out_dtype, h_dtype):
+        return launchers.NormOptions(is_rms, round_x_hat, heads, eps, offset, out_dtype, h_dtype, x_dtype, res_dtype,
                                      bias_dtype)
 
     def positional_fwd(x, w, b, r, *args):
@@ -142,10 +142,10 @@ def _with_options(launchers, fwd, bwd):
         return fwd(x, w, b, r, options(x.dtype, None if b is None else b.dtype, None if r is None else r.dtype, *rest),
                    store_stats=store_stats)
 
-    def positional_bwd(dy, dh, xin, w, bias_dtype, mean, rstd, heads, offset, is_rms, quantize, x_dtype, res_dtype,
+    def positional_bwd(dy, dh, xin, w, bias_dtype, mean, rstd, heads, offset, is_rms, round_x_hat, x_dtype, res_dtype,
                        share_dres=False):
         return bwd(dy, dh, xin, w, mean, rstd,
-                   options(x_dtype, bias_dtype, res_dtype, heads, 0.0, offset, is_rms, quantize, x_dtype, res_dtype),
+                   options(x_dtype, bias_dtype, res_dtype, heads, 0.0, offset, is_rms, round_x_hat, x_dtype, res_dtype),
                    share_dres=share_dres)
     return positional_fwd, positional_bwd
 
@@ -204,11 +204,11 @@ def record(tree: str, out: str) -> None:
         res_dtype = torch.float32 if inputs == "res32" else dtype
         r = torch.empty((m, n), dtype=res_dtype, device=meta) if inputs in ("w32-res", "res32") else None
         h_dtype = torch.float32 if r is not None and (res_dtype == torch.float32) else (None if r is None else dtype)
-        for store_stats, quantize in ((True, is_rms), (False, not is_rms)):
+        for store_stats, round_x_hat in ((True, is_rms), (False, not is_rms)):
             del launches[:]
-            y, h, mean, rstd = fwd(x, w, b, r, heads, 1e-6, 0.0, is_rms, quantize, dtype, h_dtype, store_stats)
+            y, h, mean, rstd = fwd(x, w, b, r, heads, 1e-6, 0.0, is_rms, round_x_hat, dtype, h_dtype, store_stats)
             outputs = [[str(t.dtype), list(t.shape)] if t is not None else None for t in (y, h, mean, rstd)]
-            key = f"fwd rms={is_rms} {dname} n={n} m={m} {inputs} split={split} stats={store_stats} q={quantize}"
+            key = f"fwd rms={is_rms} {dname} n={n} m={m} {inputs} split={split} stats={store_stats} q={round_x_hat}"
             cases[key] = [outputs, list(launches)]
         _, h, mean, rstd = fwd(x, w, b, r, heads, 1e-6, 0.0, is_rms, is_rms, dtype, h_dtype, True)
         xin = x if h is None else h

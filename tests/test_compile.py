@@ -69,7 +69,7 @@ def test_norm_custom_ops_opcheck(residual):
     x = torch.randn(m, n, device=DEVICE, requires_grad=True)
     w = torch.randn(n, device=DEVICE, requires_grad=True)
     r = torch.randn(m, n, device=DEVICE, requires_grad=True) if residual else None
-    options = NormOptions(is_rms=True, quantize=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=torch.float32,
+    options = NormOptions(is_rms=True, round_x_hat=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=torch.float32,
                           h_dtype=torch.float32 if residual else None, x_dtype=torch.float32,
                           res_dtype=torch.float32 if residual else None, bias_dtype=None)
     fwd_args = (x, w, None, r, *options)

@@ -762,7 +762,7 @@ def test_config_argument_is_checked(device):
         with pytest.raises(error, match=message):
             lk.rms_norm(_leaf(x), w, config=config)
     with pytest.raises(TypeError, match="config must be a FwdConfig or SplitFwdConfig"):
-        options = NormOptions(is_rms=True, quantize=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=x.dtype,
+        options = NormOptions(is_rms=True, round_x_hat=True, heads=1, eps=1e-6, weight_offset=0.0, out_dtype=x.dtype,
                               h_dtype=None, x_dtype=x.dtype, res_dtype=None, bias_dtype=None)
         norm_fwd(x, w, None, None, options, store_stats=False, config=NormConfig())
 

@@ -30,7 +30,7 @@ class NormOptions(NamedTuple):
     and the plan keys are made of these fields."""
 
     is_rms: bool  # RMSNorm (else LayerNorm)
-    quantize: bool  # x_hat rounded to x's dtype before the weight (Llama's casting)
+    round_x_hat: bool  # x_hat rounded to x's dtype before the weight is applied (casting="llama")
     heads: int  # weight rows [heads, N] taken by row % heads (1: one row)
     eps: float
     weight_offset: float  # added to the weight (Gemma's 1 + weight)
@@ -102,10 +102,10 @@ class BwdPlan(NamedTuple):
 
 
 def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool, residual: bool, weight: bool,
-                  bias: bool, quantize: bool, store_stats: bool, heads: int = 1) -> Launcher:
+                  bias: bool, round_x_hat: bool, store_stats: bool, heads: int = 1) -> Launcher:
     """The kernel handle of a forward in ``config`` over rows of ``n`` (a split configuration:
     each row over ``parts`` programs), with the switches of the call (what is present)."""
-    switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=quantize,
+    switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=round_x_hat,
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
         return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
@@ -117,12 +117,12 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
 
 
 def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms: bool, weight: bool, bias: bool,
-                  dh: bool, dres: bool, quantize: bool, heads: int = 1, dw_cols: int = 0, dw_rows: int = 1) -> Launcher:
+                  dh: bool, dres: bool, round_x_hat: bool, heads: int = 1, dw_cols: int = 0, dw_rows: int = 1) -> Launcher:
     """The kernel handle of a backward in ``config`` (a split configuration: each row over
     ``parts`` programs), its pipelining ``stages`` (PREFETCH of the rows kernel) as fitted to the
     device, with the switches of the call; ``dw_cols`` / ``dw_rows``: each program's share of
     the dW / dB columns and rows a step, where it sums them (decode sizes)."""
-    switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=quantize)
+    switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=round_x_hat)
     if isinstance(config, SplitBwdConfig):
         return launcher_of(norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
@@ -143,7 +143,7 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
     else:
         check_config(config, n, backward=False)
     switches = dict(is_rms=options.is_rms, residual=key.residual, weight=key.weight, bias=key.bias,
-                    quantize=options.quantize, store_stats=key.store_stats, heads=options.heads)
+                    round_x_hat=options.round_x_hat, store_stats=key.store_stats, heads=options.heads)
     if isinstance(config, SplitFwdConfig):
         split = split_grid(n, m, config.block_n, device, config.per_sm) if table_key.split else None
         if split is not None:
@@ -202,7 +202,7 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
     # bytes of one row's loads in the loops (x, dy, dh): what a pipeline stage holds in shared memory
     row_bytes = dtype.itemsize + key.dy_dtype.itemsize + (0 if dh_dtype is None else dh_dtype.itemsize)
     switches = dict(is_rms=is_rms, weight=w_dtype is not None, bias=options.bias_dtype is not None,
-                    dh=dh_dtype is not None, dres=key.dres, quantize=options.quantize)
+                    dh=dh_dtype is not None, dres=key.dres, round_x_hat=options.round_x_hat)
     if isinstance(config, SplitBwdConfig):
         split = split_grid(n, m, config.block_n, device) if table_key.split else None
         if split is not None:

@@ -46,7 +46,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
         types = dict(X=ptr, RES=ptr, W=ptr, B=ptr, Y=ptr, H=ptr, MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32",
                      N="i32", stride_x="i32", stride_res="i32", stride_y="i32", stride_h="i32", eps="fp32",
                      weight_offset="fp32")
-        constexprs = dict(IS_RMS=is_rms, HAS_RES=False, HAS_W=True, HAS_B=not is_rms, QUANTIZE=is_rms,
+        constexprs = dict(IS_RMS=is_rms, HAS_RES=False, HAS_W=True, HAS_B=not is_rms, ROUND_X_HAT=is_rms,
                           STORE_STATS=True, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
                           EVEN=True, STAGES=stages)
         options["maxnreg"] = resident_registers(num_warps, per_sm)
@@ -56,7 +56,7 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
                      MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32", N="i32", stride_x="i32", stride_dy="i32",
                      stride_dh="i32", stride_dx="i32", stride_dres="i32", weight_offset="fp32")
         constexprs = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_DH=False, HAS_DRES=False,
-                          QUANTIZE=is_rms, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
+                          ROUND_X_HAT=is_rms, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
                           STAGES=stages, W_PACKED=False)
     names = kernel.arg_names
     src = ASTSource(fn=kernel, signature={n: types.get(n, "constexpr") for n in names},

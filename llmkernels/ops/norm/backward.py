@@ -56,7 +56,7 @@ def norm_bwd_kernel(
     stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
     weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
-    HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
+    HAS_DRES: tl.constexpr, ROUND_X_HAT: tl.constexpr, PRECOMPUTED_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     DW_COLS: tl.constexpr, DW_ROWS: tl.constexpr, TAIL_N: tl.constexpr = 0,
 ):
@@ -119,11 +119,11 @@ def norm_bwd_kernel(
         row_mask = i < rows_per_head
         rows = i.to(tl.int64) * HEADS + head
         x_hat, wdy, rstd, mask, dw_acc, db_acc = _bwd_tile_terms(
-            x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_acc, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE)
+            x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_acc, in_ty, IS_RMS, HAS_W, HAS_B, ROUND_X_HAT)
         if TAIL_N:
             t_x_hat, t_wdy, _, t_mask, t_dw_acc, t_db_acc = _bwd_tile_terms(
                 t_x, t_dy, t_w, MEAN, RSTD, rows, row_mask, t_col_mask, t_dw_acc, t_db_acc, in_ty, IS_RMS, HAS_W,
-                HAS_B, QUANTIZE)
+                HAS_B, ROUND_X_HAT)
         if PRECOMPUTED_DOTS:
             mean_xw = tl.load(DOTS + 2 * rows, mask=row_mask, other=0.0)
             mean_w = tl.load(DOTS + 2 * rows + 1, mask=row_mask, other=0.0)
@@ -147,7 +147,7 @@ def norm_bwd_kernel(
                          stride_dx, stride_dres, IS_RMS, HAS_DH, HAS_DRES)
     if DW_COLS:
         _dw_db_cols(X, DY, MEAN, RSTD, DW_PART, DB_PART, rows_per_head, N, stride_x, stride_dy,
-                    prog * DW_COLS + tl.arange(0, DW_COLS), in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, DW_ROWS)
+                    prog * DW_COLS + tl.arange(0, DW_COLS), in_ty, IS_RMS, HAS_W, HAS_B, ROUND_X_HAT, DW_ROWS)
     else:
         part = prog.to(tl.int64) * HEADS * N + head * N
         _store_col_sums(DW_PART, DB_PART, part + cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
@@ -168,12 +168,12 @@ def _bwd_tile_in(x, dy, W, head, N, cols, col_mask, weight_offset, HAS_W: tl.con
 
 @triton.jit
 def _bwd_tile_terms(x, dy, w, MEAN, RSTD, rows, row_mask, col_mask, dw_acc, db_acc, in_ty: tl.constexpr,
-                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
+                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr):
     """The one-pass backward on a tile's columns: x_hat, w * dy, the rows' rstd, the tile's mask
     and the dW / dB accumulators with this tile added."""
     mask = row_mask[:, None] & col_mask[None, :]
     x_hat, rstd = tile_x_hat(x, rows, row_mask, mask, MEAN, RSTD, IS_RMS)
-    wdy, dw_acc, db_acc = dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    wdy, dw_acc, db_acc = dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
     return x_hat, wdy, rstd, mask, dw_acc, db_acc
 
 
@@ -204,7 +204,7 @@ def _store_col_sums(DW, DB, offs, acc_w, acc_b, col_mask, HAS_W: tl.constexpr, H
 
 @triton.jit
 def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_ty: tl.constexpr,
-                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """dW = sum over the M rows of dy * q(x_hat), dB = sum of dy, at columns ``cols`` (one head),
     BLOCK_M rows a step, stored in DW's / DB's dtypes."""
@@ -217,7 +217,7 @@ def _dw_db_cols(X, DY, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, cols, in_t
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         x_hat, _ = tile_x_hat(x, rows, row_mask, row_mask[:, None] & col_mask[None, :], MEAN, RSTD, IS_RMS)
-        _, dw_acc, db_acc = dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+        _, dw_acc, db_acc = dy_terms(x_hat, dy, 0.0, dw_acc, db_acc, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
     _store_col_sums(DW, DB, cols, dw_acc, db_acc, col_mask, HAS_W, HAS_B)
 
 
@@ -252,11 +252,11 @@ def _split_weight(w, weight_offset, HAS_W: tl.constexpr, W_PACKED: tl.constexpr)
 @triton.jit
 def _split_publish(x, dy, row, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN, RSTD, mask, M, part,
                    PARTS: tl.constexpr, in_ty: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
-                   HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, W_PACKED: tl.constexpr):
+                   HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr, W_PACKED: tl.constexpr):
     """Publish a row slice's parts of the row dot products; returns the dW/dB accumulators."""
     x_hat, _ = _split_x_hat(x, row, MEAN, RSTD, mask, M, IS_RMS)
     w = _split_weight(w, weight_offset, HAS_W, W_PACKED)
-    wdy, dw_acc, db_acc = dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, QUANTIZE)
+    wdy, dw_acc, db_acc = dy_terms(x_hat, dy.to(tl.float32), w, dw_acc, db_acc, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
     slot = SLOTS + (row * PARTS + part) * 2
     publish(slot, tl.sum(x_hat * wdy, axis=0))
     if not IS_RMS:
@@ -294,7 +294,7 @@ def norm_bwd_split_kernel(
     stride_x, stride_dy, stride_dh, stride_dx, stride_dres,
     weight_offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
-    HAS_DRES: tl.constexpr, QUANTIZE: tl.constexpr,
+    HAS_DRES: tl.constexpr, ROUND_X_HAT: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     W_PACKED: tl.constexpr,
 ):
@@ -336,12 +336,12 @@ def norm_bwd_split_kernel(
     x_now, dy_now = _split_load(X, DY, first, stride_x, stride_dy, cols, M, N)
     if STAGES > 0:
         dw_acc, db_acc = _split_publish(x_now, dy_now, first, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN, RSTD,
-                                        mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE, W_PACKED)
+                                        mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, ROUND_X_HAT, W_PACKED)
         for row in tl.range(group + step, M + step, step, num_stages=STAGES):
             row64 = row + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
             x_next, dy_next = _split_load(X, DY, row64, stride_x, stride_dy, cols, M, N)
             dw_acc, db_acc = _split_publish(x_next, dy_next, row64, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN,
-                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE,
+                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, ROUND_X_HAT,
                                             W_PACKED)
             _split_write_dx(x_now, dy_now, row64 - step, w, weight_offset, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX,
                             DRES, cols, mask, M, N, stride_dh, stride_dx, stride_dres, PARTS, IS_RMS, HAS_W, HAS_DH,
@@ -351,7 +351,7 @@ def norm_bwd_split_kernel(
         for row in range(group, M, step):
             row64 = row + tl.zeros([], dtype=tl.int64)
             dw_acc, db_acc = _split_publish(x_now, dy_now, row64, w, weight_offset, dw_acc, db_acc, SLOTS, MEAN,
-                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, QUANTIZE,
+                                            RSTD, mask, M, part, PARTS, in_ty, IS_RMS, HAS_W, HAS_B, ROUND_X_HAT,
                                             W_PACKED)
             x_next, dy_next = _split_load(X, DY, row64 + step, stride_x, stride_dy, cols, M, N)
             _split_write_dx(x_now, dy_now, row64, w, weight_offset, SLOTS, idx, slot_mask, MEAN, RSTD, DH, DX, DRES,

@@ -14,7 +14,7 @@ def norm_fwd_kernel(
     stride_x, stride_res, stride_y, stride_h,
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+    PER_HEAD: tl.constexpr, ROUND_X_HAT: tl.constexpr, STORE_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, EARLY_W: tl.constexpr,
     TAIL_N: tl.constexpr = 0,
 ):
@@ -83,10 +83,10 @@ def norm_fwd_kernel(
         if STORE_STATS:
             _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS)
         _fwd_tile_out(Y, W, B, x, w, b, rstd, row0, in_tile, w_row, cols, mask, stride_y, weight_offset, in_ty,
-                      HAS_W, HAS_B, QUANTIZE, EARLY_W)
+                      HAS_W, HAS_B, ROUND_X_HAT, EARLY_W)
         if TAIL_N:
             _fwd_tile_out(Y, W, B, t_x, t_w, t_b, rstd, row0, in_tile, w_row, t_cols, t_mask, stride_y, weight_offset,
-                          in_ty, HAS_W, HAS_B, QUANTIZE, EARLY_W)
+                          in_ty, HAS_W, HAS_B, ROUND_X_HAT, EARLY_W)
     else:
         # Pass 1: sum and sum of squares, shifted by the row's first element so that the
         # LayerNorm variance does not cancel when |mean| >> std.
@@ -132,7 +132,7 @@ def norm_fwd_kernel(
                             eviction_policy="evict_first").to(tl.float32)
             w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
             y = scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
-                             QUANTIZE)
+                             ROUND_X_HAT)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -157,12 +157,12 @@ def _fwd_tile_in(X, RES, H, W, B, row0, in_tile, w_row, cols, mask, stride_x, st
 
 @triton.jit
 def _fwd_tile_out(Y, W, B, x_centred, w, b, rstd, row0, in_tile, w_row, cols, mask, stride_y, weight_offset,
-                  in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr,
+                  in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr,
                   EARLY_W: tl.constexpr):
     """y of a one-pass tile's columns ``cols`` from x - mean (x for RMSNorm) and the rows' rstd."""
     if not EARLY_W:
         w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-    y = scale_shift(x_centred * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    y = scale_shift(x_centred * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
     tl.store(Y + row0 * stride_y + (in_tile * stride_y + cols[None, :]), y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -181,7 +181,7 @@ def norm_fwd_split_kernel(
     stride_x, stride_res, stride_y, stride_h,
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+    ROUND_X_HAT: tl.constexpr, STORE_STATS: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr = 0,
 ):
@@ -223,7 +223,7 @@ def norm_fwd_split_kernel(
                                      in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
             _fwd_split_write(nxt64 - groups, x_prev, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
                              RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
-                             QUANTIZE, STORE_STATS, True)
+                             ROUND_X_HAT, STORE_STATS, True)
             x_prev, shift_prev = x, shift
         return
     # x is read again for y (h, with a residual, is what is read again)
@@ -259,7 +259,7 @@ def norm_fwd_split_kernel(
                                   eviction_policy="evict_first")
             _fwd_split_write(row - groups, x_again, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
                              RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
-                             QUANTIZE, STORE_STATS, False)
+                             ROUND_X_HAT, STORE_STATS, False)
         shift_prev = shift_now
         row += groups
 
@@ -307,7 +307,7 @@ def _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, c
 @triton.jit
 def _fwd_split_write(row, x, shift, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN, RSTD, cols, mask, N, stride_y,
                      eps, weight_offset, in_ty: tl.constexpr, PARTS: tl.constexpr, IS_RMS: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr, STORE_STATS: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr, STORE_STATS: tl.constexpr,
                      IN_PIPELINED_LOOP: tl.constexpr):
     """Collect row ``row``'s sums from its slots and write y of its slice ``x`` (x, or h with a
     residual; part 0: and the row's statistics)."""
@@ -331,5 +331,5 @@ def _fwd_split_write(row, x, shift, part, SLOTS, slot_idx, slot_mask, w, b, Y, M
     rstd = tl.rsqrt(var + eps)
     if STORE_STATS:
         _store_stats(MEAN, RSTD, row, part == 0, mean, rstd, IS_RMS)
-    y = scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, QUANTIZE)
+    y = scale_shift(x * rstd, w, b, weight_offset, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")

@@ -105,7 +105,7 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
                   bias: bool, round_x_hat: bool, store_stats: bool, heads: int = 1) -> Launcher:
     """The kernel handle of a forward in ``config`` over rows of ``n`` (a split configuration:
     each row over ``parts`` programs), with the switches of the call (what is present)."""
-    switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, QUANTIZE=round_x_hat,
+    switches = dict(IS_RMS=is_rms, HAS_RES=residual, HAS_W=weight, HAS_B=bias, ROUND_X_HAT=round_x_hat,
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
         return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
@@ -122,7 +122,7 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
     ``parts`` programs), its pipelining ``stages`` (PREFETCH of the rows kernel) as fitted to the
     device, with the switches of the call; ``dw_cols`` / ``dw_rows``: each program's share of
     the dW / dB columns and rows a step, where it sums them (decode sizes)."""
-    switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, QUANTIZE=round_x_hat)
+    switches = dict(IS_RMS=is_rms, HAS_W=weight, HAS_B=bias, HAS_DH=dh, HAS_DRES=dres, ROUND_X_HAT=round_x_hat)
     if isinstance(config, SplitBwdConfig):
         return launcher_of(norm_bwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)

@@ -51,9 +51,9 @@ def load_wb(W, B, w_offs, w_mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
 
 @triton.jit
 def scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
-                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANTIZE: tl.constexpr):
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_X_HAT: tl.constexpr):
     """y = q(x_hat) * (w + offset) + b in fp32, q = rounding to the input dtype (Llama)."""
-    if QUANTIZE:
+    if ROUND_X_HAT:
         x_hat = x_hat.to(in_ty).to(tl.float32)
     y = x_hat
     if HAS_W:
@@ -65,13 +65,13 @@ def scale_shift(x_hat, w, b, weight_offset, in_ty: tl.constexpr,
 
 @triton.jit
 def dy_terms(x_hat, dy, w, dw_acc, db_acc, in_ty: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-              QUANTIZE: tl.constexpr):
+              ROUND_X_HAT: tl.constexpr):
     """Backward per tile: returns ``w * dy`` (for the row dot products and dx) and the dW / dB
     accumulators plus this tile's ``dy * q(x_hat)`` / ``dy`` (q: Llama's rounding)."""
     wdy = dy
     if HAS_W:
         wdy = dy * w
-        if QUANTIZE:
+        if ROUND_X_HAT:
             dw_acc += dy * x_hat.to(in_ty).to(tl.float32)
         else:
             dw_acc += dy * x_hat

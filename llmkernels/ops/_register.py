@@ -1,33 +1,15 @@
-"""One description of an op, registered for eager calls and for torch.compile.
+"""One description of an op, registered for eager calls and for torch.compile: :class:`Op`.
 
-An op family describes each differentiable op once, as an :class:`Op`: its forward launcher,
-what the backward needs (``setup``), the backward itself and the fake (meta) functions of its
-outputs. From that one description the Op builds
+An op family describes each differentiable op once: its forward launcher and that launcher's
+fake (meta) function, and the backward with what it needs saved. From that the Op builds the
+eager ``torch.autograd.Function``, the custom ops ``llmkernels::<name>`` (or ``<name>_fwd`` and
+``<name>_bwd``) with their fakes and ``register_autograd``, and the dispatch between them on
+every call. ``torch.library.custom_op`` alone would do the registration, but its eager call
+costs about 30 us more on the host than this dispatch (ARCHITECTURE.md, "Registering an op").
 
-  - the eager path: a ``torch.autograd.Function`` whose forward runs the launcher and
-    ``setup`` and whose backward runs ``backward`` with the backward launcher;
-  - the torch.compile path: the custom ops ``llmkernels::<name>_fwd`` and ``<name>_bwd`` with
-    their fake kernels, and ``register_autograd`` with ``setup`` and ``backward`` calling the
-    backward op (an op that is its own derivative has one custom op, ``llmkernels::<name>``);
-  - the dispatch, ``op(*tensors, options)``: the custom op under torch.compile; the Function
-    when an input of ``grad_inputs`` needs a gradient; otherwise the launcher alone, with no
-    autograd node.
-
-Conventions the descriptions follow:
-  - A launcher takes its tensors, then one ``options`` record (a ``typing.NamedTuple`` of the
-    op's options: the one place they are named), then keyword-only eager options. The custom
-    op's schema is read from the launcher's annotations: its tensors (``Optional[Tensor]``: may
-    be None), the record's fields flattened after them (custom ops take only flat scalars), and
-    its outputs (``-> tuple[Tensor, ...]``). The custom op rebuilds the record from the fields,
-    so launchers, fakes, ``setup`` and ``backward`` only ever see the record.
-  - Launchers return a tensor or a tuple of outputs, None for an output that is absent (a
-    residual sum without a residual). A custom op may neither return None nor outputs that
-    alias each other, so it returns a distinct empty placeholder there: ``setup`` and
-    ``backward`` tell what is absent from the inputs, never from the outputs.
-  - Keyword arguments of a call are eager-only options of the launchers (a launch configuration
-    for tests and tuning; what the eager backward may do that a custom op may not): ``forward``,
-    ``infer`` and ``setup`` receive them, and ``backward`` may pass them on to its launcher;
-    under torch.compile they are dropped.
+Each convention is stated where the code that relies on it stands: the schema and the options
+record at :meth:`Signature.of`, absent outputs at :func:`_with_placeholders`, eager-only options
+at :meth:`Op.__call__`, and the description's parts at :class:`Op`.
 """
 from __future__ import annotations
 
@@ -61,7 +43,12 @@ def _placeholder(like: torch.Tensor) -> torch.Tensor:
 
 
 def _with_placeholders(outputs, like: torch.Tensor):
-    """``outputs`` of a launcher as a custom op returns them: a placeholder for each None."""
+    """``outputs`` of a launcher as a custom op returns them: a placeholder for each None.
+
+    A launcher returns None for an output that is absent (a residual sum without a residual);
+    a custom op may neither return None nor outputs that alias each other, so it returns a
+    distinct empty placeholder there. Hence ``setup`` and ``backward`` tell what is absent from
+    the inputs or the options, never from the outputs."""
     if not isinstance(outputs, tuple):
         return outputs
     return tuple(_placeholder(like) if t is None else t for t in outputs)
@@ -139,7 +126,15 @@ def flat_fields(options: tuple) -> tuple:
 class Signature(NamedTuple):
     """A launcher's custom-op signature: ``tensors`` (the names of its tensor arguments),
     ``schema``, ``build`` (its options record from the flat fields that follow them) and
-    ``flatten`` (those fields of a record)."""
+    ``flatten`` (those fields of a record).
+
+    A launcher takes its tensors, then one ``options`` record (a ``typing.NamedTuple`` of the
+    op's options: the one place they are named), then keyword-only eager options. The schema is
+    read from its annotations: the tensors (``Optional[Tensor]``: may be None), the record's
+    fields flattened after them (a custom op takes only flat scalars; a nested record's fields
+    prefixed with its name), and the outputs (``-> Tensor`` or ``-> tuple[Tensor, ...]``). The
+    custom op rebuilds the record from the fields, so launchers, fakes, ``setup`` and
+    ``backward`` only ever see the record."""
 
     tensors: tuple
     schema: str
@@ -203,27 +198,33 @@ def _input_grads(positions: tuple, n_inputs: int, grads) -> tuple:
 
 
 class Op:
-    """A differentiable op described once, callable as ``op(*tensors, options, **eager)`` (see
-    the module notes). The description:
+    """A differentiable op described once, callable as ``op(*tensors, options, **eager)``.
+
+    The description (keywords; ``forward``, ``fake`` and ``grad_inputs`` are what most ops give):
 
     Args:
-        name: the custom ops' name (``llmkernels::<name>_fwd`` ...), and the autograd node's.
-        forward: the forward launcher, ``forward(*tensors, options, **eager) -> outputs``; its
-            annotations give the custom op's schema.
-        setup: ``setup(ctx, tensors, options, outputs, **eager)``: saves what the backward needs
-            (``ctx.save_for_backward`` and attributes), on both paths.
-        backward: ``backward(ctx, bwd, *grad_outputs) -> gradients`` of the tensors at
-            ``grad_inputs``, in order; ``bwd`` is ``backward_launcher`` (eager) or its custom op
-            (compiled), called as a launcher, or for an op without one this op itself (its own
-            derivative).
+        name: the custom ops' name (``llmkernels::<name>``, ``<name>_fwd`` / ``<name>_bwd`` with
+            a backward launcher) and the autograd node's (``<Name>Backward``).
+        forward: the forward launcher, ``forward(*tensors, options, **eager) -> outputs``
+            (:class:`Signature`: its annotations give the custom op's schema).
+        fake: the forward's fake, ``fake(*tensors, options)``: outputs as the launcher returns
+            them, on the inputs' device, without running a kernel.
         grad_inputs: positions of the tensors whose ``requires_grad`` makes a call record an
-            autograd node (the backward returns their gradients, None where there is none).
-        fake: the forward's fake function (``fake(*tensors, options)``, outputs as the launcher
-            returns them).
-        backward_launcher, backward_fake: the same for the backward.
+            autograd node; ``backward`` returns their gradients in order (None for one that has
+            none). Empty, with no ``backward``: an op without autograd.
+        backward: ``backward(ctx, bwd, *grad_outputs)``: ``bwd`` is the backward launcher
+            (eager) or its custom op (compiled), called as a launcher is, or for an op without
+            one this op itself (its own derivative). Under torch.compile ``grad_outputs`` holds
+            a gradient for every output of the launcher, eagerly one for each returned output:
+            take the first ones and ``*_``.
+        setup: ``setup(ctx, tensors, options, outputs, **eager)`` saves what the backward needs,
+            on both paths. Default: saves the tensors, then the outputs the caller does not get
+            (past ``returns``), and ``ctx.options``.
+        backward_launcher, backward_fake: a backward that is a launcher of its own (custom op
+            ``<name>_bwd``), and its fake.
         infer: the launcher of a call that needs no gradient (default ``forward``).
-        returns: how many of the outputs the caller gets (the rest exist for ``setup``);
-            default all.
+        returns: how many of the outputs the caller gets (the rest exist for ``setup``; 1: the
+            output itself, not a 1-tuple); default all.
         non_differentiable: positions of outputs marked non-differentiable (eager).
         once: set when the eager backward consumes what the forward saved (scales a gradient
             in place): the error message of a second backward through the same call.
@@ -235,23 +236,29 @@ class Op:
             same arguments) that a call needing no gradient, or under torch.compile, goes to.
     """
 
-    def __init__(self, name: str, *, forward: Callable, setup: Callable, backward: Callable, grad_inputs: tuple,
-                 fake: Optional[Callable] = None, backward_launcher: Optional[Callable] = None,
-                 backward_fake: Optional[Callable] = None, infer: Optional[Callable] = None,
-                 returns: Optional[int] = None, non_differentiable: tuple = (), once: Optional[str] = None,
-                 once_differentiable: bool = False, mutates: tuple = (), base: Optional[Callable] = None):
+    def __init__(self, name: str, *, forward: Callable, grad_inputs: tuple = (), backward: Optional[Callable] = None,
+                 setup: Optional[Callable] = None, fake: Optional[Callable] = None,
+                 backward_launcher: Optional[Callable] = None, backward_fake: Optional[Callable] = None,
+                 infer: Optional[Callable] = None, returns: Optional[int] = None, non_differentiable: tuple = (),
+                 once: Optional[str] = None, once_differentiable: bool = False, mutates: tuple = (),
+                 base: Optional[Callable] = None):
         self.forward, self.infer = forward, infer or forward
-        self.setup, self.backward, self.grad_inputs = setup, backward, grad_inputs
+        self.backward, self.grad_inputs = backward, grad_inputs
+        self.setup = setup or _saving(returns)
         self.backward_launcher = backward_launcher
         self.returns, self.non_differentiable, self.once = returns, non_differentiable, once
+        # what a call hands back of the launcher's outputs: all, the first alone, or the first ``returns``
+        self._take = None if returns is None else 0 if returns == 1 else slice(returns)
         self.base = base
-        self.op = self.backward_op = self.signature = None
+        self.op = self.backward_op = self.signature = self.function = self._c_apply = None
         self._mutated = ()
         if base is None:
             suffix = "" if backward_launcher is None else "_fwd"
             self.op, self.signature = _custom_op(name + suffix, forward, fake, mutates)
             # positions of the mutated tensors, from the signature's names
             self._mutated = tuple(self.signature.tensors.index(m) for m in mutates)
+        if backward is None:
+            return
         self.function = self._autograd_function(name, once_differentiable)
         self._c_apply = _c_apply(self.function)
         if base is not None or mutates:
@@ -274,11 +281,18 @@ class Op:
         return False
 
     def __call__(self, *args, **eager):
+        """The custom op under torch.compile; the autograd Function when an input of
+        ``grad_inputs`` needs a gradient; otherwise the launcher alone, with no autograd node.
+        Keyword arguments are eager-only options of the launchers (a launch configuration for
+        tests and tuning; what an eager backward may do that a custom op may not): ``forward``,
+        ``infer`` and ``setup`` receive them, ``backward`` may pass them on to its launcher, and
+        under torch.compile they are dropped."""
+        take = self._take
         if torch.compiler.is_compiling():
             if self.op is None:
                 return self.base(*args, **eager)
             outputs = self.op(*args[:-1], *self.signature.flatten(args[-1]))
-            return outputs if self.returns is None else outputs[:self.returns]
+            return outputs if take is None else outputs[take]
         if torch.is_grad_enabled():
             for i in self.grad_inputs:  # (``needs_grad`` inline: every eager call takes this path)
                 t = args[i]
@@ -287,7 +301,7 @@ class Op:
         if self.op is None:
             return self.base(*args, **eager)
         outputs = self.infer(*args, **eager)
-        return outputs if self.returns is None else outputs[:self.returns]
+        return outputs if take is None else outputs[take]
 
     def _apply(self, *args_and_eager):
         """``self.function.apply``: straight into autograd's C++ apply where nothing of the
@@ -311,8 +325,8 @@ class Op:
         """The eager ``torch.autograd.Function``: what a hand-written one does, each step chosen
         here rather than on every call."""
         launch, setup, backward, once = self.forward, self.setup, self.backward, self.once
-        mutated, non_differentiable, returns, grad_inputs = (self._mutated, self.non_differentiable, self.returns,
-                                                             self.grad_inputs)
+        mutated, non_differentiable, take, grad_inputs = (self._mutated, self.non_differentiable, self._take,
+                                                          self.grad_inputs)
         bwd = self.backward_launcher if self.backward_launcher is not None else self
         # The gradients of the first inputs, then None for the others, the options and the eager options.
         leading = grad_inputs == tuple(range(len(grad_inputs)))
@@ -331,7 +345,7 @@ class Op:
                 return dirty[0] if len(dirty) == 1 else tuple(dirty)
             if non_differentiable:
                 ctx.mark_non_differentiable(*[outputs[i] for i in non_differentiable if outputs[i] is not None])
-            return outputs if returns is None else outputs[:returns]
+            return outputs if take is None else outputs[take]
 
         def gradients(ctx, *grad_outputs):
             if once is not None:
@@ -359,3 +373,12 @@ class Op:
         title = "".join(part.title() for part in name.split("_"))
         return type(title, (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+
+
+def _saving(returns: Optional[int]) -> Callable:
+    """The default ``setup``: saves the tensors and the outputs past ``returns`` (those the
+    caller does not get), and ``ctx.options``."""
+    def setup(ctx, tensors, options, outputs, **eager):
+        ctx.save_for_backward(*tensors, *(() if returns is None else outputs[returns:]))
+        ctx.options = options
+    return setup

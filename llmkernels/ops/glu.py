@@ -184,17 +184,12 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, options: Glu
 # registration: eager autograd and torch.compile custom ops (llmkernels::glu_fwd / glu_bwd).
 # Only gate and up are saved; the backward recomputes the activation.
 # --------------------------------------------------------------------------------------------
-def _glu_setup(ctx, inputs, options: GluOptions, output):
-    ctx.save_for_backward(*inputs)
-    ctx.options = options
-
-
 def _glu_backward(ctx, bwd, dy):
     gate, up = ctx.saved_tensors
     return bwd(dy, gate, up, ctx.options)
 
 
-GLU = Op("glu", forward=glu_fwd, setup=_glu_setup, backward=_glu_backward, grad_inputs=(0, 1),
+GLU = Op("glu", forward=glu_fwd, backward=_glu_backward, grad_inputs=(0, 1),
          once_differentiable=True, fake=lambda gate, up, options: gate.new_empty(gate.shape), backward_launcher=glu_bwd,
          backward_fake=lambda dy, gate, up, options: (gate.new_empty(gate.shape), gate.new_empty(gate.shape)))
 

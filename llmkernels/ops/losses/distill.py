@@ -423,4 +423,4 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
     options = DistillOptions(kind, beta, temperature, ignore_index, reduction, check_targets, chunk_size, accum_dtype,
                              need, memory)
     op = DISTILL if reduction == "none" else DISTILL_FUSED
-    return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, options)[0]
+    return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, options)

@@ -59,6 +59,15 @@ def use_kernels(t: torch.Tensor) -> bool:
     return HAVE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
+def reference_dtype(t: torch.Tensor):
+    """None where the kernels run on ``t``; else the dtype in which an op computes
+    ``llmkernels.reference`` instead: float64 for float64 inputs (the kernels' statistics are
+    fp32), float32 where no kernel can run."""
+    if t.dtype == torch.float64:
+        return torch.float64
+    return None if use_kernels(t) else torch.float32
+
+
 # --------------------------------------------------------------------------------------------
 # the cached launch
 # --------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 
 from ..ops.configs.linear_losses import DEFAULT_CONFIG
-from ..ops.losses.base import (accumulate_mm, check_chunk_size, check_head, check_target, chunk_rows,
-                               finish_target_check, is_dtensor, start_target_check)
+from ..ops.losses.base import (Head, accumulate_mm, check_chunk_size, check_head, check_target, chunk_rows,
+                               finish_target_check, is_dtensor, row_chunks, start_target_check)
 from .vocab_parallel import (Options, VocabShard, check_no_layout, combine, dtensor_shard, group_size, loss_options,
                              plain_shard, replicated_local, row_losses, row_scales, shard_grad, shard_stats,
                              sharded_loss)
@@ -62,25 +62,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        # One [chunk, V_k] buffer for every chunk, as linear_cross_entropy's.
-        buffer = hidden.new_empty((min(chunk, m), weight.shape[0]))
-        for a in range(0, m, chunk):
-            b = min(m, a + chunk)
-            h, t, logits = hidden[a:b], target[a:b], buffer[: b - a]
-            if bias is None:
-                torch.mm(h, weight.t(), out=logits)
-            else:
-                torch.addmm(bias, h, weight.t(), out=logits)
+        for rows, logits in row_chunks(chunk, Head(hidden, weight, bias)):
+            t = rows(target)
             lse, z_t, z_sum = combine(shard_stats(logits, t, shard, opts), shard.group)
-            rows, valid, in_range = row_losses(lse, z_t, z_sum, t, shard.size, opts)
-            loss_rows[a:b] = rows
+            losses, valid, in_range = row_losses(lse, z_t, z_sum, t, shard.size, opts)
+            rows(loss_rows).copy_(losses)
             if need_h or need_w or need_b:
                 shard_grad(logits, t, lse, row_scales(one, valid, in_range, count, opts, lse.dtype), shard, opts,
                            out=logits)
             if need_h:
-                torch.mm(logits, weight, out=dh[a:b])
+                torch.mm(logits, weight, out=rows(dh))
             if need_w:
-                accumulate_mm(dw, logits.t(), h)
+                accumulate_mm(dw, logits.t(), rows(hidden))
             if need_b:
                 db += logits.sum(0, dtype=torch.float32)
         finish_target_check(pending, target, shard.size, opts.ignore_index)

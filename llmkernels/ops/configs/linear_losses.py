@@ -1,5 +1,5 @@
 """How the losses over an LM head (``ops/losses``: linear cross-entropy, log-probabilities,
-distillation) cut their work, as frozen records.
+distillation, z-loss) cut their work, as frozen records.
 
 The chunk sizes trade the cuBLAS matmuls' efficiency against the memory of one block of logits;
 the kernels read rows of logits that cuBLAS wrote, at widths where every configuration measured
@@ -9,6 +9,8 @@ device memory when it is cut (``losses/base/chunks.py``).
 from __future__ import annotations
 
 import dataclasses
+import types
+from typing import Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +38,17 @@ class LinearLossConfig:
     # vocabulary chunks of a multiple of this many columns keep every row of a block 16-byte
     # aligned for cuBLAS
     column_align: int
-    vocab_grad: RowKernel  # the gradient written over a vocabulary chunk's logits
-    log_probs: RowKernel  # the log-probabilities' online pass over a row
-    distill: RowKernel  # the distillation's passes over a row of each model
+    # the row kernels by the pass that runs them (``kernel(name)``); a pass not named takes "default"
+    kernels: Mapping[str, RowKernel]
     results: str  # the measurements that chose them
+
+    def kernel(self, name: str) -> RowKernel:
+        """The kernel of the pass ``name`` ("vocab_grad", "log_probs", "distill", ...)."""
+        return self.kernels.get(name) or self.kernels["default"]
 
 
 DEFAULT_CONFIG = LinearLossConfig(
     rows_per_chunk=2048, chunk_bytes=256 * 2**20, low_memory_chunk_bytes=64 * 2**20, column_align=128,
-    vocab_grad=RowKernel(block_v=4096, num_warps=8), log_probs=RowKernel(block_v=4096, num_warps=8),
-    distill=RowKernel(block_v=4096, num_warps=8),
+    kernels=types.MappingProxyType({name: RowKernel(block_v=4096, num_warps=8)
+                                    for name in ("vocab_grad", "log_probs", "distill", "default")}),
     results="e2e-h100-2026-11-22-session4-memory-variants.txt (rows a chunk); post-training-h100-2026-11-25/")

@@ -15,7 +15,7 @@ import torch
 
 from ... import reference
 from .._args import check_tensor
-from .._launch import use_kernels
+from .._launch import reference_dtype
 from .._register import Op
 from ..configs.cross_entropy import CrossEntropyConfig
 from .base import (RowLoss, ce_rows, check_loss_options, check_target, count_rows, finish_loss, finish_target_check,
@@ -182,8 +182,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
     smoothing, z_coef = float(label_smoothing), float(z_loss)
     softcap = None if softcap is None else float(softcap)
-    if not use_kernels(logits) or logits.dtype == torch.float64:
-        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    compute = reference_dtype(logits)
+    if compute is not None:
         loss, z, lse = reference.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                                label_smoothing=smoothing, z_loss=z_coef, softcap=softcap,
                                                check_targets=check_targets, compute_dtype=compute)

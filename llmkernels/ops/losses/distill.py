@@ -37,12 +37,12 @@ from .._args import cdiv, or_stand_in
 from .._launch import launch, use_kernels
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
-from .base import (DEFAULT_MEMORY, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
+from .base import (DEFAULT_MEMORY, Head, accumulate_mm, aligned_cols, check_chunking, check_head, check_ignore_index,
                    check_reduction, check_target, check_temperature, chunk_rows, count_rows, finish_target_check,
-                   gathered, grads_fake, head_loss_ops, online_step, start_target_check)
+                   gathered, grads_fake, grads_needed, head_loss_ops, online_step, reduced, row_chunks,
+                   start_target_check, vocab_chunks)
 
 KINDS = reference.DISTILL_KINDS
-_KIND_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's KIND
 
 
 class DistillOptions(NamedTuple):
@@ -93,14 +93,16 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta):
 def _grad_tile(zs, zt, lse_s, lse_t, aux, beta, KIND: tl.constexpr):
     """d loss / d zs of a tile from the row statistics (``aux``: the row's KL for the reverse KL,
     ``sum Q d`` for the JSD)."""
-    if KIND == 0:
+    if KIND == "forward_kl":
         g = tl.exp(zs - lse_s[:, None]) - tl.exp(zt - lse_t[:, None])
-    elif KIND == 1:
+    elif KIND == "reverse_kl":
         q = tl.exp(zs - lse_s[:, None])
         g = tl.where(q == 0, 0.0, q * ((zs - lse_s[:, None]) - (zt - lse_t[:, None]) - aux[:, None]))
-    else:
+    elif KIND == "jsd":
         _, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
         g = q * (d - aux[:, None])
+    else:
+        tl.static_assert(False, "a kind of reference.DISTILL_KINDS without its branch in _grad_tile")
     return g
 
 
@@ -125,7 +127,7 @@ def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, strid
     """One row per program of student logits ``S`` and teacher logits ``TT``: ``LOSS[row]`` (0 for
     ignored rows), ``STATS[:, row]`` (lse of each, and ``aux`` of ``_grad_tile``) and, with GRAD,
     the gradient times ``SCALE`` (0-d or per row) and ``inv_temp`` written over the row of ``S``.
-    KIND: 0 forward KL, 1 reverse KL, 2 JSD."""
+    KIND: one of ``reference.DISTILL_KINDS``."""
     row = tl.program_id(0).to(tl.int64)
     s_row = S + row * stride_s
     t_row = TT + row * stride_t
@@ -141,19 +143,21 @@ def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, strid
         mt, scale_t, et = online_step(zt, mt)
         ss = ss * scale_s + tl.sum(es, axis=1)
         st = st * scale_t + tl.sum(et, axis=1)
-        if KIND == 0:  # sum over classes of exp(zt - mt) (zt - zs): KL(P || Q) without a second pass
+        if KIND == "forward_kl":  # sum over classes of exp(zt - mt) (zt - zs): KL(P || Q) without a second pass
             w = w * scale_t + tl.sum(tl.where(et == 0, 0.0, et * (zt - zs)), axis=1)
-        elif KIND == 1:
+        elif KIND == "reverse_kl":
             w = w * scale_s + tl.sum(tl.where(es == 0, 0.0, es * (zs - zt)), axis=1)
+        elif KIND == "jsd":  # (its sums need both rows' lse: a second pass below)
+            pass
     lse_s = tl.where(ms == float("-inf"), 0.0, ms) + tl.log(ss)
     lse_t = tl.where(mt == float("-inf"), 0.0, mt) + tl.log(st)
-    if KIND == 0:
+    if KIND == "forward_kl":
         loss = w / st - lse_t + lse_s
         aux = loss
-    elif KIND == 1:
+    elif KIND == "reverse_kl":
         loss = w / ss - lse_s + lse_t
         aux = loss
-    else:
+    elif KIND == "jsd":
         loss = tl.zeros([1], dtype=tl.float32)
         aux = tl.zeros([1], dtype=tl.float32)  # sum over classes of Q d
         for offset in range(0, V, BLOCK_V):
@@ -161,6 +165,8 @@ def _distill_kernel(S, TT, LOSS, STATS, TGT, SCALE, V, stride_s, stride_t, strid
             terms, d, q = _jsd_terms(zs, zt, lse_s, lse_t, beta)
             loss += tl.sum(terms, axis=1)
             aux += tl.sum(q * d, axis=1)
+    else:
+        tl.static_assert(False, "a kind of reference.DISTILL_KINDS without its branch in _distill_kernel")
     valid, scale = _row_scale(TGT, SCALE, row, stride_scale, ignore_index, inv_temp, HAS_TARGET, HAS_SCALE)
     tl.store(LOSS + row + one, tl.where(valid, loss, 0.0))
     tl.store(STATS + row + one, lse_s)
@@ -195,8 +201,8 @@ def _distill_block_kernel(S, TT, STATS, TGT, SCALE, N, stride_s, stride_t, strid
 
 def _kernel_flags(options: DistillOptions, target, scale) -> dict:
     """The constexprs the two kernels share, and the kernels' launch."""
-    kernel = DEFAULT_CONFIG.distill
-    return dict(KIND=_KIND_CODES[options.kind], HAS_TARGET=target is not None, HAS_SCALE=scale is not None,
+    kernel = DEFAULT_CONFIG.kernel("distill")
+    return dict(KIND=options.kind, HAS_TARGET=target is not None, HAS_SCALE=scale is not None,
                 num_warps=kernel.num_warps)
 
 
@@ -205,93 +211,66 @@ def _scale_stride(scale: Optional[torch.Tensor]) -> int:
     return 0 if scale is None or scale.dim() == 0 else scale.stride(0)
 
 
-def _chunked(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, stats,
-             options: DistillOptions, *, chunk: int, grads=(None, None), scale=None, grad: bool = False):
-    """The row-chunk loop: ``loss_rows [M]`` and ``stats [3, M]``; with ``grad`` also ``grads =
+def _chunked(student: Head, teacher: Head, target, loss_rows, stats, options: DistillOptions, *, chunk: int,
+             grads=(None, None), scale=None, grad: bool = False):
+    """The row chunks: ``loss_rows [M]`` and ``stats [3, M]``; with ``grad`` also ``grads =
     (grad_hidden [M, Hs], grad_weight accumulator [V, Hs])`` (each optional) for the upstream
     ``scale`` (None: 1; a 0-d or ``[M]`` fp32 tensor)."""
     grad_hidden, grad_weight = grads
-    m, v = student_hidden.shape[0], student_weight.shape[0]
-    rows = min(chunk, m)
-    s_buf = torch.empty((rows, v), dtype=student_hidden.dtype, device=student_hidden.device)
-    t_buf = torch.empty((rows, v), dtype=teacher_hidden.dtype, device=teacher_hidden.device)
-    for a in range(0, m, chunk):
-        b = min(m, a + chunk)
-        s, t = s_buf[: b - a], t_buf[: b - a]
-        torch.mm(student_hidden[a:b], student_weight.t(), out=s)
-        torch.mm(teacher_hidden[a:b], teacher_weight.t(), out=t)
-        row_scale = None if scale is None else (scale if scale.dim() == 0 else scale[a:b])
-        row_target = None if target is None else target[a:b]
-        launch(_distill_kernel, (b - a,), s, t, loss_rows[a:b], stats[:, a:b], or_stand_in(row_target, loss_rows),
-               or_stand_in(row_scale, loss_rows), v, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(row_scale),
-               options.ignore_index, 1.0 / options.temperature, options.beta, GRAD=grad,
-               BLOCK_V=DEFAULT_CONFIG.distill.block_v, **_kernel_flags(options, target, row_scale))
+    v = student.weight.shape[0]
+    for rows, s, t in row_chunks(chunk, student, teacher):
+        row_scale = scale if scale is None or scale.dim() == 0 else rows(scale)
+        launch(_distill_kernel, (s.shape[0],), s, t, rows(loss_rows), stats[:, rows.span],
+               or_stand_in(rows(target), loss_rows), or_stand_in(row_scale, loss_rows), v, s.stride(0), t.stride(0),
+               stats.stride(0), _scale_stride(row_scale), options.ignore_index, 1.0 / options.temperature,
+               options.beta, GRAD=grad, BLOCK_V=DEFAULT_CONFIG.kernel("distill").block_v,
+               **_kernel_flags(options, target, row_scale))
         if grad and grad_hidden is not None:
-            torch.mm(s, student_weight, out=grad_hidden[a:b])
+            torch.mm(s, student.weight, out=rows(grad_hidden))
         if grad and grad_weight is not None:
-            accumulate_mm(grad_weight, s.t(), student_hidden[a:b])
+            accumulate_mm(grad_weight, s.t(), rows(student.hidden))
 
 
-def _weight_grad_by_vocab(student_hidden, student_weight, teacher_hidden, teacher_weight, target, stats, scale,
-                          options: DistillOptions, *, chunk: int):
+def _weight_grad_by_vocab(student: Head, teacher: Head, target, stats, scale, options: DistillOptions, *,
+                          chunk: int):
     """``memory="low"``: the student's weight gradient over vocabulary chunks of a row chunk's
     worth of logits (``chunk * V / M`` columns, aligned), from the row statistics: both models'
     logits ``[M, Cv]`` recomputed, the gradient written over the student's, ``grad_weight[v] =
     G.T @ student_hidden`` one matmul over all rows (fp32 sums in cuBLAS, rounded once)."""
-    m, v = student_hidden.shape[0], student_weight.shape[0]
+    m, v = student.hidden.shape[0], student.weight.shape[0]
     if m == 0:  # no rows: a zero gradient (and no chunk width to derive from M)
-        return torch.zeros_like(student_weight, memory_format=torch.contiguous_format)
-    cols = aligned_cols(max(1, chunk * v // m), v)
-    block = DEFAULT_CONFIG.distill.block_v
-    grad_weight = torch.empty_like(student_weight, memory_format=torch.contiguous_format)
-    s_buf = torch.empty(m * cols, dtype=student_hidden.dtype, device=student_hidden.device)
-    t_buf = torch.empty(m * cols, dtype=teacher_hidden.dtype, device=teacher_hidden.device)
-    for v0 in range(0, v, cols):
-        n = min(v, v0 + cols) - v0
-        s, t = s_buf[: m * n].view(m, n), t_buf[: m * n].view(m, n)  # contiguous: cuBLAS writes them in place
-        torch.mm(student_hidden, student_weight[v0:v0 + n].t(), out=s)
-        torch.mm(teacher_hidden, teacher_weight[v0:v0 + n].t(), out=t)
+        return torch.zeros_like(student.weight, memory_format=torch.contiguous_format)
+    block = DEFAULT_CONFIG.kernel("distill").block_v
+    grad_weight = torch.empty_like(student.weight, memory_format=torch.contiguous_format)
+    for v0, n, s, t in vocab_chunks(aligned_cols(max(1, chunk * v // m), v), student, teacher):
         launch(_distill_block_kernel, (m, cdiv(n, block)), s, t, stats, or_stand_in(target, stats),
                or_stand_in(scale, stats), n, s.stride(0), t.stride(0), stats.stride(0), _scale_stride(scale),
                options.ignore_index, 1.0 / options.temperature, options.beta, BLOCK=block,
                **_kernel_flags(options, target, scale))
-        torch.mm(s.t(), student_hidden, out=grad_weight[v0:v0 + n])
+        torch.mm(s.t(), student.hidden, out=grad_weight[v0:v0 + n])
     return grad_weight
 
 
-def _reduce(loss_rows, target, ignore_index: int, reduction: str, count=None):
-    if reduction == "none":
-        return loss_rows
-    total = loss_rows.sum()
-    if reduction == "sum":
-        return total
-    if count is None:
-        count = loss_rows.numel() if target is None else count_rows(target, ignore_index)
-    return total / count
-
-
-def _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale,
-           options: DistillOptions, need: tuple):
+def _grads(student: Head, teacher: Head, target, loss_rows, scale, options: DistillOptions, need: tuple):
     """(grad_hidden, grad_weight) each None unless ``need``-ed, for the upstream ``scale``
     (None: 1), writing ``loss_rows``: the row chunks (and, with ``memory="low"``, the
     vocabulary chunks for the weight gradient)."""
-    m, v = student_hidden.shape[0], student_weight.shape[0]
+    m, v = student.hidden.shape[0], student.weight.shape[0]
     low = options.memory == "low"
-    gh = torch.empty_like(student_hidden, memory_format=torch.contiguous_format) if need[0] else None
+    gh = torch.empty_like(student.hidden, memory_format=torch.contiguous_format) if need[0] else None
     gw = None
     if need[1] and not low:
-        gw = torch.zeros(student_weight.shape, dtype=options.accum_dtype or student_weight.dtype,
-                         device=student_weight.device)
-    stats = torch.empty((3, m), dtype=torch.float32, device=student_hidden.device)
-    size = max(student_hidden.element_size(), teacher_hidden.element_size())
-    chunk = chunk_rows(m, v, size, student_hidden.device, options.chunk_size,
+        gw = torch.zeros(student.weight.shape, dtype=options.accum_dtype or student.weight.dtype,
+                         device=student.weight.device)
+    stats = torch.empty((3, m), dtype=torch.float32, device=student.hidden.device)
+    size = max(student.hidden.element_size(), teacher.hidden.element_size())
+    chunk = chunk_rows(m, v, size, student.hidden.device, options.chunk_size,
                        DEFAULT_CONFIG.low_memory_chunk_bytes if low else DEFAULT_CONFIG.chunk_bytes)
-    tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight, target)
-    _chunked(*tensors, loss_rows, stats, options, chunk=chunk, grads=(gh, gw), scale=scale,
+    _chunked(student, teacher, target, loss_rows, stats, options, chunk=chunk, grads=(gh, gw), scale=scale,
              grad=gh is not None or gw is not None)
     if need[1] and low:
-        gw = _weight_grad_by_vocab(*tensors, stats, scale, options, chunk=chunk)
-    return gh, (None if gw is None else gw.to(student_weight.dtype))
+        gw = _weight_grad_by_vocab(student, teacher, target, stats, scale, options, chunk=chunk)
+    return gh, (None if gw is None else gw.to(student.weight.dtype))
 
 
 def _distill_forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -309,10 +288,12 @@ def _distill_forward(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     if fused and reduction == "mean":
         count = torch.full((), m, dtype=torch.int64, device=dev) if target is None else count_rows(target, ignore_index)
         scale = 1.0 / count.to(torch.float32)
-    gh, gw = _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows, scale, options,
-                    options.need if fused else (False, False))
+    gh, gw = _grads(Head(student_hidden, student_weight), Head(teacher_hidden, teacher_weight), target, loss_rows,
+                    scale, options, options.need if fused else (False, False))
     finish_target_check(pending, target, v, ignore_index)
-    return _reduce(loss_rows, target, ignore_index, reduction, count), gh, gw
+    if reduction == "mean" and count is None and target is not None:
+        count = count_rows(target, ignore_index)
+    return reduced(loss_rows, reduction, count), gh, gw
 
 
 def _distill_backward_launcher(grad: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
@@ -320,7 +301,7 @@ def _distill_backward_launcher(grad: torch.Tensor, student_hidden: torch.Tensor,
                                target: Optional[torch.Tensor], options: DistillOptions) -> Grads:
     """Backward of ``reduction="none"`` (``grad [M]``): recompute both models' chunks."""
     loss_rows = torch.empty(student_hidden.shape[0], dtype=torch.float32, device=student_hidden.device)
-    return _grads(student_hidden, student_weight, teacher_hidden, teacher_weight, target, loss_rows,
+    return _grads(Head(student_hidden, student_weight), Head(teacher_hidden, teacher_weight), target, loss_rows,
                   grad.to(torch.float32), options, options.need)
 
 
@@ -418,9 +399,7 @@ def linear_distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
                                              temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                                              check_targets=check_targets, compute_dtype=compute)
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
-    grad_on = torch.is_grad_enabled()
-    need = (grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad)
     options = DistillOptions(kind, beta, temperature, ignore_index, reduction, check_targets, chunk_size, accum_dtype,
-                             need, memory)
+                             grads_needed(student_hidden, student_weight), memory)
     op = DISTILL if reduction == "none" else DISTILL_FUSED
     return op(student_hidden, student_weight, teacher_hidden, teacher_weight, target, options)

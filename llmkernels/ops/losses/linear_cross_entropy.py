@@ -33,11 +33,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import reference
-from .._launch import use_kernels
+from .._launch import reference_dtype
 from ..configs.linear_losses import DEFAULT_CONFIG
-from .base import (DEFAULT_MEMORY, RowLoss, accumulate_mm, aligned_cols, ce_rows, check_chunking, check_head,
-                   check_loss_options, check_target, chunk_rows, count_rows, finish_loss, finish_target_check, gathered,
-                   grads_by_vocab_chunks, grads_fake, head_loss_ops, package_output, row_buffers, start_target_check)
+from .base import (DEFAULT_MEMORY, Head, RowLoss, accumulate_mm, aligned_cols, ce_rows, check_chunking,
+                   check_loss_options, check_target, checked_head, chunk_rows, count_rows, finish_loss,
+                   finish_target_check, grads_fake, grads_needed, head_loss_ops, package_output, row_buffers,
+                   row_chunks, start_target_check, vocab_grads)
 
 
 class LinearCrossEntropyOptions(NamedTuple):
@@ -69,27 +70,13 @@ def rows_per_chunk(m: int, v: int, element_size: int, device: torch.device, chun
 
 def _chunked(hidden, weight, target, bias, lse, options: LinearCrossEntropyOptions, *, chunk: int, grads: tuple,
              g=None, count=None, loss_rows=None, z_rows=None) -> None:
-    """The chunk loop. With ``loss_rows``: the forward, writing ``loss_rows`` (``z_rows``) and
+    """The row chunks. With ``loss_rows``: the forward, writing ``loss_rows`` (``z_rows``) and
     ``lse``; without: the backward, using ``lse``. ``grads = (grad_hidden, grad_weight_acc,
     grad_bias_acc)``, each optional: filled with the gradient for upstream gradient ``g`` (None:
     1) and ``1 / count`` (``mean``)."""
     grad_hidden, grad_weight, grad_bias = grads
     want_grad = any(t is not None for t in grads)
-    m = hidden.shape[0]
-    # One [chunk, V] buffer for every chunk: a fresh product per chunk would be allocated while
-    # the previous chunk's is still referenced, two chunks' logits at the peak.
-    buffer = hidden.new_empty((min(chunk, m), weight.shape[0]))
-    weight_t = weight.t()
-    rows = lambda t: t if t is None or whole else t[a:b]  # noqa: E731  (one chunk: no slicing)
-    for a in range(0, m, chunk):
-        b = min(m, a + chunk)
-        whole = b - a == m
-        h = rows(hidden)
-        logits = buffer if whole else buffer[: b - a]
-        if bias is None:
-            torch.mm(h, weight_t, out=logits)
-        else:
-            torch.addmm(bias, h, weight_t, out=logits)
+    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias)):
         ce_rows(logits, rows(target), rows(lse), options.row, loss=rows(loss_rows), z_loss=rows(z_rows),
                 dlogits=logits if want_grad else None,
                 grad_output=None if g is None else (g if g.dim() == 0 else rows(g)),
@@ -97,7 +84,7 @@ def _chunked(hidden, weight, target, bias, lse, options: LinearCrossEntropyOptio
         if grad_hidden is not None:
             torch.mm(logits, weight, out=rows(grad_hidden))
         if grad_weight is not None:
-            accumulate_mm(grad_weight, logits.t(), h)
+            accumulate_mm(grad_weight, logits.t(), rows(hidden))
         if grad_bias is not None:
             grad_bias += logits.sum(0, dtype=grad_bias.dtype)
 
@@ -121,13 +108,12 @@ def _weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, options: Li
     columns (a row chunk's worth of logits, aligned), for the per-row upstream ``scale`` (0-d or
     ``[M]`` fp32); the gradient is ``s (p (1 + 2 z_loss lse) - eps / V - (1 - eps) onehot)``."""
     m, v = hidden.shape[0], weight.shape[0]
-    smoothing, z_coef = options.row.smoothing, options.row.z_coef
+    row, smoothing = options.row, options.row.smoothing
     s = scale.to(torch.float32).expand(m)
-    coefs = torch.stack((s * (1.0 + 2.0 * z_coef * lse), s, s * (smoothing / v), s * (1.0 - smoothing)))
-    _, gw, gb = grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None, need=(False, *options.need[1:]),
-                                      ignore_index=options.row.ignore_index, softcap=options.row.softcap,
-                                      has_c=smoothing > 0,
-                                      cols=aligned_cols(max(1, chunk * v // max(m, 1)), v))
+    _, gw, gb = vocab_grads(Head(hidden, weight, bias), lse, s * (1.0 + 2.0 * row.z_coef * lse),
+                            need=(False, *options.need[1:]), c=s * (smoothing / v) if smoothing > 0 else None,
+                            d=s * (1.0 - smoothing), target=target, ignore_index=row.ignore_index,
+                            softcap=row.softcap, cols=aligned_cols(max(1, chunk * v // max(m, 1)), v))
     return gw, gb
 
 
@@ -240,24 +226,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With ``"mean"``/``"sum"`` and gradients needed, they are computed during the forward and
     the backward can run only once through this call.
     """
-    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
-    check_head("hidden", hidden, "weight", weight, "bias", bias)
+    hidden, weight, bias = checked_head(hidden, weight, bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
     check_chunking(chunk_size, accum_dtype, memory)
     smoothing, z_coef = float(label_smoothing), float(z_loss)
     softcap = None if softcap is None else float(softcap)
-    if not use_kernels(hidden) or hidden.dtype == torch.float64:
-        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    compute = reference_dtype(hidden)
+    if compute is not None:
         loss, z, lse = reference.linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing,
             z_loss=z_coef, softcap=softcap, check_targets=check_targets, compute_dtype=compute)
         return package_output(loss, z, lse, return_z_loss, return_lse)
-    grad_on = torch.is_grad_enabled()
-    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad)
     options = LinearCrossEntropyOptions(RowLoss(ignore_index, smoothing, z_coef, softcap), reduction, return_z_loss,
-                                        check_targets, chunk_size, accum_dtype, need, memory)
+                                        check_targets, chunk_size, accum_dtype, grads_needed(hidden, weight, bias),
+                                        memory)
     op = LCE if reduction == "none" else LCE_FUSED
     loss, z, lse = op(hidden, weight, target, bias, options)
     return package_output(loss, z, lse, return_z_loss, return_lse)

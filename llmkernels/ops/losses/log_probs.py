@@ -13,7 +13,7 @@ hidden's dtype) are read once by ``_row_logp_kernel``, which keeps a running max
 backward.
 
 Backward: the upstream gradients of ``logp`` and ``entropy`` are known only now, so the logits
-are recomputed, over vocabulary chunks (``base.grads_by_vocab_chunks``): the gradient
+are recomputed, over vocabulary chunks (``base.vocab_grads``): the gradient
 block is formed in place, the weight gradient of a chunk is one matmul over all rows (exact,
 no fp32 ``[V, H]`` accumulator) and the hidden gradient is summed in an fp32 ``[M, H]`` buffer.
 Matmuls: 1 (forward) + 3 (backward: logits again, weight gradient, hidden gradient), each of
@@ -27,12 +27,12 @@ import torch
 
 from ... import reference
 from .._args import or_stand_in
-from .._launch import launch, use_kernels
-from .._register import Op
+from .._launch import launch, reference_dtype
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
-from .base import (check_chunk_size, check_head, check_ignore_index, check_target, check_temperature, chunk_rows,
-                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, row_lse, start_target_check)
+from .base import (Head, check_chunk_sizes, check_ignore_index, check_target, check_temperature, checked_head,
+                   chunk_rows, finish_target_check, grads_needed, row_chunks, row_lse, start_target_check, vocab_grads,
+                   vocab_loss_op)
 
 
 class LogProbsOptions(NamedTuple):
@@ -49,7 +49,6 @@ class LogProbsOptions(NamedTuple):
 
 
 Outputs = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @triton.jit
@@ -79,73 +78,42 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     """Returns ``(logp, entropy or None, lse, mu or None)``, each ``[M]`` fp32."""
     m, v = hidden.shape[0], weight.shape[0]
     ignore_index, want_entropy = options.ignore_index, options.want_entropy
-    kernel = DEFAULT_CONFIG.log_probs
+    kernel = DEFAULT_CONFIG.kernel("log_probs")
     pending = start_target_check(target, v, ignore_index) if options.check else None
-    rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
-    logp, lse = rows(), rows()
-    entropy, mu = (rows(), rows()) if want_entropy else (None, None)
+    new_rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
+    logp, lse = new_rows(), new_rows()
+    entropy, mu = (new_rows(), new_rows()) if want_entropy else (None, None)
     chunk = chunk_rows(m, v, hidden.element_size(), hidden.device, options.chunk_size)
-    buffer = torch.empty((min(chunk, m), v), dtype=hidden.dtype, device=hidden.device)
-    for a in range(0, m, chunk):
-        b = min(m, a + chunk)
-        logits = buffer[: b - a]
-        if bias is None:
-            torch.mm(hidden[a:b], weight.t(), out=logits)
-        else:
-            torch.addmm(bias, hidden[a:b], weight.t(), out=logits)
-        launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], or_stand_in(entropy, lse)[a:b],
-               lse[a:b], or_stand_in(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / options.temperature,
+    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias)):
+        launch(_row_logp_kernel, (logits.shape[0],), logits, rows(target), rows(logp), rows(or_stand_in(entropy, lse)),
+               rows(lse), rows(or_stand_in(mu, lse)), v, logits.stride(0), ignore_index, 1.0 / options.temperature,
                ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
     finish_target_check(pending, target, v, ignore_index)
     return logp, entropy, lse, mu
 
 
-def _logp_backward_launcher(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
-                            hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                            bias: Optional[torch.Tensor], lse: torch.Tensor, mu: Optional[torch.Tensor],
-                            options: LogProbsOptions) -> Grads:
-    """``(grad_hidden, grad_weight, grad_bias)`` for upstream gradients ``grad_logp [M]`` and
-    ``grad_entropy [M]`` (or None), recomputing the logits over vocabulary chunks."""
-    m = hidden.shape[0]
-    g1 = (torch.zeros(m, dtype=torch.float32, device=hidden.device) if grad_logp is None
-          else grad_logp.to(torch.float32))
-    g2 = None if grad_entropy is None or mu is None else grad_entropy.to(torch.float32)
-    # (A, B, C, D) = (-g1, -g2, unused, -g1): G = inv_T (g1 onehot - p (g1 + g2 (z - mu)))
-    n1 = -g1
-    coefs = torch.stack((n1, n1 if g2 is None else -g2, n1, n1))
-    return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu,
-                                 need=options.need, ignore_index=options.ignore_index,
-                                 inv_temp=1.0 / options.temperature, cols=options.vocab_chunk_size)
-
-
 # --------------------------------------------------------------------------------------------
-# registration: eager autograd and torch.compile custom ops (llmkernels::linear_log_probs_fwd /
-# _bwd). The forward keeps lse and E_p[z] for the backward; the caller gets logp and entropy.
+# registration: eager autograd and the custom ops llmkernels::linear_log_probs_fwd / _bwd; the
+# caller gets logp and entropy, the backward reads lse and E_p[z] (the default setup saves them).
 # --------------------------------------------------------------------------------------------
 def _logp_fake(hidden, weight, target, bias, options: LogProbsOptions):
     rows = lambda: hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # noqa: E731
     return rows(), (rows() if options.want_entropy else None), rows(), (rows() if options.want_entropy else None)
 
 
-def _logp_setup(ctx, inputs, options: LogProbsOptions, outputs):
-    _, _, lse, mu = outputs
-    ctx.save_for_backward(*inputs, lse, mu if options.want_entropy else None)
-    ctx.options = options
-
-
 def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
+    """G = (g1 onehot - p (g1 + g2 (z - mu))) / T: a = d = -g1, b = -g2 (``base.vocab_grads``)."""
     hidden, weight, target, bias, lse, mu = ctx.saved_tensors
-    grads = bwd(grad_logp, grad_entropy if mu is not None else None, hidden, weight, target, bias, lse, mu, ctx.options)
-    return tuple(t if n else None for t, n in zip(grads, ctx.options.need))
+    options = ctx.options
+    g1 = -(lse.new_zeros(lse.shape) if grad_logp is None else grad_logp.to(torch.float32))
+    g2 = None if grad_entropy is None or not options.want_entropy else -grad_entropy.to(torch.float32)
+    return vocab_grads(Head(hidden, weight, bias), lse, g1, need=options.need, b=g2, mu=None if g2 is None else mu,
+                       d=g1, target=target, ignore_index=options.ignore_index, inv_temp=1.0 / options.temperature,
+                       cols=options.vocab_chunk_size, run=bwd)
 
 
-def _logp_backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, lse, mu, options: LogProbsOptions):
-    return grads_fake((hidden, weight, bias), options.need)
-
-
-LOG_PROBS = Op("linear_log_probs", forward=_logp_forward, setup=_logp_setup, backward=_logp_backward,
-               grad_inputs=(0, 1, 3), returns=2, fake=_logp_fake, backward_launcher=_logp_backward_launcher,
-               backward_fake=_logp_backward_fake)
+LOG_PROBS = vocab_loss_op("linear_log_probs", forward=_logp_forward, fake=_logp_fake, backward=_logp_backward,
+                          grad_inputs=(0, 1, 3), returns=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,23 +144,18 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         hidden, weight and bias for any upstream gradient of either output (the backward
         recomputes the logits).
     """
-    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
-    check_head("hidden", hidden, "weight", weight, "bias", bias)
+    hidden, weight, bias = checked_head(hidden, weight, bias)
     check_target(target, hidden.shape[0], hidden, "hidden")
     check_ignore_index(ignore_index)
     temperature = check_temperature(temperature)
-    check_chunk_size("chunk_size", chunk_size)
-    check_chunk_size("vocab_chunk_size", vocab_chunk_size)
-    if not use_kernels(hidden) or hidden.dtype == torch.float64:
-        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    check_chunk_sizes(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+    compute = reference_dtype(hidden)
+    if compute is not None:
         logp, entropy = reference.linear_log_probs(hidden, weight, target, bias, temperature=temperature,
                                                    ignore_index=ignore_index, check_targets=check_targets,
                                                    compute_dtype=compute)
     else:
-        grad_on = torch.is_grad_enabled()
-        need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-                grad_on and bias is not None and bias.requires_grad)
         options = LogProbsOptions(temperature, return_entropy, ignore_index, check_targets, chunk_size,
-                                  vocab_chunk_size, need)
+                                  vocab_chunk_size, grads_needed(hidden, weight, bias))
         logp, entropy = LOG_PROBS(hidden, weight, target, bias, options)
     return (logp, entropy) if return_entropy else logp

@@ -9,7 +9,7 @@ import torch
 
 from ... import reference
 from .._args import as_rows, check_tensor
-from .._launch import use_kernels
+from .._launch import reference_dtype
 from .._register import Op
 from .configs import NormConfig, check_config
 from .launchers import NormOptions, NormOutputs, norm_bwd, norm_fwd
@@ -129,8 +129,8 @@ def _norm(x, weight, bias, residual, *, is_rms, eps, prenorm, residual_in_fp32, 
         raise TypeError(f"out_dtype must be None or a floating-point torch.dtype, got {out_dtype!r}")
     if config is not None:
         _check_config(config, x.shape[-1])
-    if not use_kernels(x) or x.dtype == torch.float64:
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = reference_dtype(x)
+    if compute is not None:
         fn = reference.rms_norm if is_rms else reference.layer_norm
         return fn(x, weight, bias, eps=eps, residual=residual, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
                   weight_offset=weight_offset, casting=casting, out_dtype=out_dtype, compute_dtype=compute)

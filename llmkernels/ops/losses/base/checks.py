@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 
 from ..._args import check_tensor
+from .chunks import Head
+from .sharded import gathered
 
 REDUCTIONS = ("mean", "sum", "none")
 # ``memory=`` of the linear losses: "fast" sums the weight gradient over row chunks in a [V, H]
@@ -31,6 +33,12 @@ def check_reduction(reduction) -> None:
 def check_chunk_size(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+def check_chunk_sizes(**sizes) -> None:
+    """Each of ``sizes`` (argument name -> value) None or an int >= 1."""
+    for name, value in sizes.items():
+        check_chunk_size(name, value)
 
 
 def check_temperature(temperature) -> float:
@@ -69,6 +77,14 @@ def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
     if target.dim() != 1 or target.shape[0] != m:
         raise ValueError(f"target must have shape [{m}] (one class index per row of {rows_of}), "
                          f"got {list(target.shape)}")
+
+
+def checked_head(hidden, weight, bias=None) -> Head:
+    """The head of a loss's arguments ``hidden``, ``weight`` and ``bias``, checked as
+    :func:`check_head` does; a DTensor weight or bias gathered for the call."""
+    weight, bias = gathered(weight, hidden), gathered(bias, hidden)
+    check_head("hidden", hidden, "weight", weight, "bias", bias)
+    return Head(hidden, weight, bias)
 
 
 def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: str = "bias", bias=None, *,

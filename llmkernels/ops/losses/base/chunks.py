@@ -1,67 +1,75 @@
-"""Chunks of an LM head's logits, and the gradients of a loss over vocabulary chunks: exact
-weight gradients without an fp32 ``[V, H]`` accumulator.
+"""The chunk loops of every loss over an LM head, written once, and their sizes.
 
-For ``hidden [M, H]``, ``weight [V, H]`` and a loss whose gradient with respect to the logits
-row ``z = (hidden @ weight.T + bias) / temperature`` (soft-capped, optionally) is, per class k::
-
-    G[k] = (p[k] * (A + B * (z[k] - mu)) - C - D * onehot(target)[k]) * dz/dlogits[k]
-
-with ``p = exp(z - lse)`` and per-row coefficients ``A, B, C, D`` (``mu``: a per-row constant),
-the columns ``v`` of a chunk give::
-
-    logits[:, v] = hidden @ weight[v].T (+ bias[v])      cuBLAS, [M, Cv] in hidden's dtype
-    G[:, v] written over the logits                     ``vocab_grad_kernel``
-    grad_weight[v] = G[:, v].T @ hidden                 one matmul over all M rows: cuBLAS sums in
-                                                        fp32 and rounds once (no accumulator)
-    grad_bias[v] = G[:, v] summed over rows             fp32
-    grad_hidden += G[:, v] @ weight[v]                  fp32 [M, H] accumulator (M << V)
-
-The coefficients of the losses built on this:
-  - cross-entropy (``linear_cross_entropy(memory="low")``): ``s (1 + 2 z_loss lse), 0,
-    s eps / V, s (1 - eps)`` with ``s`` the row's upstream gradient (times ``1 / count``);
-  - ``log p(target)`` and entropy (``linear_log_probs``) for upstream gradients ``g1, g2``:
-    ``-g1, -g2, 0, -g1`` with ``mu = E_p[z]`` (d logp / dz = onehot - p,
-    d H / dz = -p (z - E_p[z])).
-Rows whose target is ``ignore_index`` get a zero gradient. ``chunk_rows`` / ``chunk_cols`` cut
-the rows or the vocabulary into chunks of a number of bytes of logits (``configs/linear_losses.py``).
+A loss over ``hidden [M, H]`` and a head ``weight [V, H]`` (``bias [V]``) never holds the
+``[M, V]`` logits: it goes over row chunks (``row_chunks``: ``[C, V]`` logits of C rows at a
+time) or over vocabulary chunks (``vocab_chunks``: ``[M, Cv]`` logits of Cv classes at a time),
+each chunk's logits made by cuBLAS in hidden's dtype into one buffer that every chunk reuses (a
+fresh product per chunk would be allocated while the previous one is still referenced: two
+chunks' logits at the peak). ``chunk_rows`` / ``chunk_cols`` size the chunks in bytes of logits
+(``configs/linear_losses.py``); ``logsumexp_rows`` is the row pass that most losses start with.
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from ..._args import cdiv, or_stand_in
+from ..._args import cdiv
 from ..._launch import launch
 from ..._triton import tl, triton
 from ...configs.linear_losses import DEFAULT_CONFIG
-from .row_kernels import softcapped, through_softcap
+from .row_kernels import row_lse
 
 
-@triton.jit
-def vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, inv_temp, softcap,
-                      HAS_B: tl.constexpr, HAS_C: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-    """``X [M, N]`` (columns ``v0 .. v0 + N`` of the logits) overwritten with ``G`` (module
-    docstring); ``COEF [4, M]`` fp32 holds A, B, C, D. Grid: (M, cdiv(N, BLOCK))."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    t = tl.load(T + row).to(tl.int64)
-    a = tl.load(COEF + row)
-    d = tl.load(COEF + 3 * M + row)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    z = softcapped(x * inv_temp, softcap, HAS_SOFTCAP)
-    p = tl.exp(z - tl.load(LSE + row))
-    g = p * a
-    if HAS_B:  # (masked classes: p = 0, z = -inf)
-        g += tl.where(p > 0, p * tl.load(COEF + M + row) * (z - tl.load(MU + row)), 0.0)
-    if HAS_C:
-        g -= tl.load(COEF + 2 * M + row)
-    g = tl.where(cols + v0 == t, g - d, g)
-    g = through_softcap(g, z, softcap, HAS_SOFTCAP) * inv_temp
-    g = tl.where(t != ignore_index, g, 0.0)
-    tl.store(X + row * stride_x + cols, g.to(X.dtype.element_ty), mask=mask)
+class Head(NamedTuple):
+    """An LM head's inputs: ``hidden [M, H]``, ``weight [V, H]`` and ``bias [V]`` or None."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor):
+    """``hidden @ weight.T (+ bias)`` written into ``out`` (contiguous: cuBLAS writes it in place)."""
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+class Rows:
+    """One row chunk ``[a, b)``: ``rows(t)`` is ``t[a:b]`` of a per-row tensor ``t`` (None for
+    None; ``t`` itself where the chunk holds every row), ``rows.span`` the slice (other dims)."""
+
+    __slots__ = ("span", "whole")
+
+    def __init__(self, a: int, b: int, m: int):
+        self.span, self.whole = slice(a, b), b - a == m
+
+    def __call__(self, t):
+        return t if t is None or self.whole else t[self.span]
+
+
+def row_chunks(chunk: int, *heads: Head) -> Iterator[tuple]:
+    """For each chunk of ``chunk`` rows: ``(rows, *logits)``, ``rows`` the chunk's :class:`Rows`
+    and one ``[rows, V]`` block of logits per head (the heads share M and V, not H or dtype)."""
+    m = heads[0].hidden.shape[0]
+    buffers = [h.hidden.new_empty((min(chunk, m), h.weight.shape[0])) for h in heads]
+    for a in range(0, m, chunk):
+        b = min(m, a + chunk)
+        rows = Rows(a, b, m)
+        yield (rows, *[_logits(rows(h.hidden), h.weight, h.bias, buffer if rows.whole else buffer[: b - a])
+                       for h, buffer in zip(heads, buffers)])
+
+
+def vocab_chunks(cols: int, *heads: Head) -> Iterator[tuple]:
+    """For each chunk of ``cols`` classes ``[v0, v0 + n)``: ``(v0, n, *logits)``, one ``[M, n]``
+    block of logits per head (contiguous)."""
+    m, v = heads[0].hidden.shape[0], heads[0].weight.shape[0]
+    buffers = [h.hidden.new_empty(m * min(cols, v)) for h in heads]
+    for v0 in range(0, v, cols):
+        n = min(v, v0 + cols) - v0
+        yield (v0, n, *[_logits(h.hidden, h.weight[v0:v0 + n], None if h.bias is None else h.bias[v0:v0 + n],
+                                buffer[: m * n].view(m, n)) for h, buffer in zip(heads, buffers)])
 
 
 def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int] = None,
@@ -107,52 +115,28 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     elif acc.is_cuda:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype: products rounded to a's dtype
+        except (TypeError, RuntimeError):  # a torch without addmm's out_dtype: products rounded to a's dtype
             acc += torch.mm(a, b).to(acc.dtype)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          target: torch.Tensor, lse: torch.Tensor, coefs: torch.Tensor, mu: Optional[torch.Tensor],
-                          *, need: tuple, ignore_index: int, inv_temp: float = 1.0, softcap: Optional[float] = None,
-                          has_c: bool = False, cols: Optional[int] = None):
-    """``(grad_hidden, grad_weight, grad_bias)`` (each None unless ``need``-ed) of the loss whose
-    logits gradient the module docstring describes: ``coefs [4, M]`` fp32 (A, B, C, D), ``mu``
-    ``[M]`` fp32 or None (B = 0), ``has_c``: C is not all zero. ``cols``: columns per chunk."""
-    need_h, need_w, need_b = need
+@triton.jit
+def _logsumexp_kernel(X, LSE, V, stride_x, inv_temp, BLOCK_V: tl.constexpr):
+    """One row of logits ``X`` a program: ``LSE[row]`` = logsumexp of ``x * inv_temp``."""
+    row = tl.program_id(0).to(tl.int64)
+    lse, _, _, _ = row_lse(X + row * stride_x, V, inv_temp, BLOCK_V, False, False)
+    tl.store(LSE + row + tl.arange(0, 1), lse)
+
+
+def logsumexp_rows(head: Head, chunk_size: Optional[int] = None, inv_temp: float = 1.0) -> torch.Tensor:
+    """The fp32 logsumexp ``[M]`` of every row of ``head``'s logits times ``inv_temp``, over row
+    chunks of ``chunk_size`` rows (default: ``chunk_bytes`` of logits)."""
+    hidden, weight = head.hidden, head.weight
     m, v = hidden.shape[0], weight.shape[0]
-    # An unchecked target outside [0, V) makes its row's gradient NaN, as the row kernels do.
-    coefs = torch.where((target != ignore_index) & ((target < 0) | (target >= v)), math.nan, coefs)
-    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
-    grad_bias = torch.empty(v, dtype=torch.float32, device=weight.device) if need_b else None
-    if m == 0 or not any(need):
-        if need_w:
-            grad_weight.zero_()
-        if need_b:
-            grad_bias.zero_()
-    else:
-        cols = cols or chunk_cols(m, v, hidden.element_size(), hidden.device)
-        buffer = torch.empty(m * min(cols, v), dtype=hidden.dtype, device=hidden.device)
-        kernel = DEFAULT_CONFIG.vocab_grad
-        for v0 in range(0, v, cols):
-            n = min(v, v0 + cols) - v0
-            block = buffer[: m * n].view(m, n)  # contiguous, so cuBLAS writes it in place
-            w = weight[v0:v0 + n]
-            if bias is None:
-                torch.mm(hidden, w.t(), out=block)
-            else:
-                torch.addmm(bias[v0:v0 + n], hidden, w.t(), out=block)
-            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, target, lse, or_stand_in(mu, lse), coefs,
-                   m, n, v0, block.stride(0), ignore_index, inv_temp, 1.0 if softcap is None else softcap,
-                   HAS_B=mu is not None, HAS_C=has_c, HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v,
-                   num_warps=kernel.num_warps)
-            if need_w:
-                torch.mm(block.t(), hidden, out=grad_weight[v0:v0 + n])
-            if need_b:
-                torch.sum(block, 0, dtype=torch.float32, out=grad_bias[v0:v0 + n])
-            if need_h:
-                accumulate_mm(grad_hidden, block, w)
-    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight,
-            None if grad_bias is None else grad_bias.to(bias.dtype))
+    lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+    kernel = DEFAULT_CONFIG.kernel("logsumexp")
+    for rows, logits in row_chunks(chunk_rows(m, v, hidden.element_size(), hidden.device, chunk_size), head):
+        launch(_logsumexp_kernel, (logits.shape[0],), logits, rows(lse), v, logits.stride(0), inv_temp,
+               BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
+    return lse

@@ -1,5 +1,6 @@
-"""The registration every loss over an LM head shares: the gradients formed in the forward unless
-the reduction is ``"none"``.
+"""What the losses over an LM head share around their kernels: which gradients a call needs, the
+reduction of per-row losses and the upstream gradient of each row, fake gradients, and the two
+Ops of a loss whose gradients are formed in the forward unless the reduction is ``"none"``.
 
 With ``reduction`` ``"mean"`` or ``"sum"`` the upstream gradient is one number, so the forward
 forms the gradients for an upstream gradient of 1 as it goes (no second pass over the logits):
@@ -25,9 +26,40 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
     return t
 
 
+def grads_needed(*params) -> tuple[bool, ...]:
+    """Which of ``params`` (tensors or None) a call must form a gradient for."""
+    grad_on = torch.is_grad_enabled()
+    return tuple(grad_on and t is not None and t.requires_grad for t in params)
+
+
 def grads_fake(params: tuple, need) -> tuple:
     """Fake gradients of ``params`` (None where not ``need``-ed), for the fake kernels."""
     return tuple(t.new_empty(t.shape) if n else None for t, n in zip(params, need))
+
+
+def reduced(rows: torch.Tensor, reduction: str, count=None) -> torch.Tensor:
+    """Per-row losses ``[M]`` reduced: their sum, their mean (over ``count`` rows where given, a
+    number or a 0-d tensor), or themselves (``"none"``)."""
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    return total / (rows.shape[0] if count is None else count)
+
+
+def reduced_fake(like: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The fake of ``reduced``'s fp32 loss over the rows of ``like``."""
+    return like.new_empty(() if reduction != "none" else like.shape[:1], dtype=torch.float32)
+
+
+def row_grads(grad: torch.Tensor, reduction: str, m: int) -> torch.Tensor:
+    """The fp32 upstream gradient ``[M]`` of each row of a loss ``reduced`` over its ``m`` rows
+    (``mean``: without a count), from the upstream gradient of the loss."""
+    grad = grad.to(torch.float32)
+    if reduction == "none":
+        return grad
+    return (grad / m if reduction == "mean" else grad).expand(m)
 
 
 def head_loss_ops(name: str, *, kept_for_none: Callable, once: str, **description) -> tuple[Op, Op]:

@@ -22,6 +22,7 @@ _EXPORTS = {
     "linear_cross_entropy": ".ops.losses.linear_cross_entropy",
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
+    "linear_z_loss": ".ops.losses.z_loss",
     "vocab_parallel_cross_entropy": ".parallel.vocab_parallel",
     "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel_linear",
     "RMSNorm": ".modules",

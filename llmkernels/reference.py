@@ -265,6 +265,13 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, igno
     return _poisoned(logp, valid, in_range).to(out_dtype), _poisoned(entropy, valid, in_range).to(out_dtype)
 
 
+def linear_z_loss(hidden, weight, bias=None, *, reduction="mean", compute_dtype=torch.float32, logits_dtype=None):
+    """``llmkernels.linear_z_loss``: float32 (float64 for float64 inputs)."""
+    rows = torch.logsumexp(_linear_logits(hidden, weight, bias, 1.0, compute_dtype, logits_dtype), -1) ** 2
+    rows = rows.mean() if reduction == "mean" else rows.sum() if reduction == "sum" else rows
+    return rows.to(torch.promote_types(hidden.dtype, torch.float32))
+
+
 def distill_divergence(student_log_q, teacher_log_p, *, kind="jsd", beta=0.5):
     """Per-row divergence between the teacher's ``P`` and the student's ``Q`` given as
     log-probabilities ``[M, V]``: ``"forward_kl"`` KL(P || Q), ``"reverse_kl"`` KL(Q || P),

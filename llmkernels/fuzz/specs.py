@@ -327,6 +327,23 @@ def linear_log_probs(d: Draw) -> Case:
                 bad=_common_bad(d, args, ("hidden", "weight", "target", "bias"), _one_bad(d, bad)))
 
 
+def linear_z_loss(d: Draw) -> Case:
+    dtype, m, v = d.dtype(), d.rows(), d.choice((1, d.width(600), d.int(4090, 5000)))
+    hidden, weight = _head(d, dtype, m, v)
+    args = dict(hidden=hidden, weight=weight, bias=d.tensor((v,), dtype) if d.chance(0.3) else None,
+                reduction=d.choice(("mean", "sum", "none")), chunk_size=d.choice((None, None, d.int(1, 9))),
+                vocab_chunk_size=d.choice((None, None, d.int(1, 700))))
+
+    def ref(a, c):
+        return (reference.linear_z_loss(a["hidden"], a["weight"], a["bias"], reduction=a["reduction"], compute_dtype=c,
+                                        logits_dtype=rounded(c, dtype)),)
+
+    bad = {"reduction": "avg", "chunk_size": 0, "vocab_chunk_size": -1}
+    return Case("linear_z_loss", args, lambda a: (lk.linear_z_loss(**a),), ref, ("hidden", "weight", "bias"),
+                row_input="hidden" if args["reduction"] == "none" else None,
+                bad=_common_bad(d, args, ("hidden", "weight", "bias"), _one_bad(d, bad)))
+
+
 def linear_distill_loss(d: Draw) -> Case:
     dtype, m, v = d.dtype(), d.rows(), d.choice((1, d.width(600), d.int(4090, 5000)))
     student = _head(d, dtype, m, v)
@@ -367,4 +384,5 @@ BUILDERS = {
     "linear_cross_entropy": linear_cross_entropy,
     "linear_log_probs": linear_log_probs,
     "linear_distill_loss": linear_distill_loss,
+    "linear_z_loss": linear_z_loss,
 }

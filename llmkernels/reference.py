@@ -187,15 +187,18 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
 # --------------------------------------------------------------------------------------------
 # Gated-MLP activation (SwiGLU, GeGLU)
 # --------------------------------------------------------------------------------------------
-GLU_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# The activations of ``llmkernels.glu``, each name with its definition: the one list that the API,
+# the kernel (``ops/glu.py:_activation``, a branch each) and the tests go by.
+GLU_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,  # SwiGLU
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),  # GeGLU as Gemma computes it
+    "gelu": torch.nn.functional.gelu,  # exact, erf
+}
 
 
 def glu_activation(x, activation):
-    """``act(x)``: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU as Gemma computes it, GELU's tanh
-    approximation) or ``"gelu"`` (exact, erf)."""
-    if activation == "silu":
-        return torch.nn.functional.silu(x)
-    return torch.nn.functional.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+    """``act(x)`` of the activation named ``activation`` (``GLU_ACTIVATIONS``)."""
+    return GLU_ACTIVATIONS[activation](x)
 
 
 def glu(gate, up, activation="silu", *, compute_dtype=torch.float32):

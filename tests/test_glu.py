@@ -16,7 +16,7 @@ from llmkernels.testing import poisoned
 from tests.helpers import assert_close, bad_input_test
 
 F64 = torch.float64
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+ACTIVATIONS = tuple(reference.GLU_ACTIVATIONS)  # the one list: a new activation is tested here as it is added
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elementwise bound |out - ref| <= atol + rtol |ref|: two roundings (act(gate), then the
 # product) and the interpreter's bf16 truncation (tests/conftest.py) fit in rtol.
@@ -56,6 +56,13 @@ def test_forward_backward(activation, dtype):
     gate = (torch.randn(2, 5, 48, device=DEVICE) * 3).to(dtype).requires_grad_()
     up = torch.randn(2, 5, 48, device=DEVICE).to(dtype).requires_grad_()
     check(activation, gate, up)
+
+
+def test_an_activation_without_its_kernel_branch_does_not_compile():
+    """A name that the kernel has no branch for is a compile-time error, never another's branch."""
+    gate = torch.randn(4, 16, device=DEVICE)
+    with pytest.raises(Exception, match="without its branch"):
+        glu_ops.glu_fwd(gate, gate, glu_ops.GluOptions("not_an_activation"))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

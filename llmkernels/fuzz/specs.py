@@ -184,7 +184,7 @@ def glu(d: Draw, linear: bool) -> Case:
     shape = (*d.lead(), d.width(300))
     # The halves of a fused projection are slices of one tensor: "sliced" covers them.
     gate, up = d.tensor(shape, dtype), d.tensor(shape, dtype)
-    args = dict(gate=gate, up=up, activation=d.choice(reference.GLU_ACTIVATIONS))
+    args = dict(gate=gate, up=up, activation=d.choice(tuple(reference.GLU_ACTIVATIONS)))
     options = {"activation": "relu"}
     if not linear:
         return Case("glu", args, lambda a: lk.glu(**a), lambda a, c: (reference.glu(**a, compute_dtype=c),),

@@ -42,7 +42,7 @@ from ._register import Op
 from ._triton import tl, triton
 from .configs.glu import GluConfig, glu_config
 
-ACTIVATIONS = reference.GLU_ACTIVATIONS
+ACTIVATIONS = tuple(reference.GLU_ACTIVATIONS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ ACTIVATIONS = reference.GLU_ACTIVATIONS
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _activation(g, ACTIVATION: tl.constexpr):
-    """``(act(g), act'(g))`` of fp32 ``g``."""
+    """``(act(g), act'(g))`` of fp32 ``g``, a branch for each of ``reference.GLU_ACTIVATIONS``."""
     if ACTIVATION == "silu":
         s = tl.sigmoid(g)
         a = g * s
@@ -60,11 +60,13 @@ def _activation(g, ACTIVATION: tl.constexpr):
         s = tl.sigmoid(1.5957691216057308 * g * (1.0 + 0.044715 * g * g))
         a = g * s
         da = s + a * (1.0 - s) * 1.5957691216057308 * (1.0 + 3 * 0.044715 * g * g)
-    else:
+    elif ACTIVATION == "gelu":
         # Phi(g) = 0.5 (1 + erf(g / sqrt(2))); phi(g) = exp(-g^2 / 2) / sqrt(2 pi)
         cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
         a = g * cdf
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        tl.static_assert(False, "an activation of reference.GLU_ACTIVATIONS without its branch in _activation")
     return a, da
 
 

@@ -36,28 +36,32 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return torch.addmm(bias, hidden, weight.t(), out=out)
 
 
-class Rows:
-    """One row chunk ``[a, b)``: ``rows(t)`` is ``t[a:b]`` of a per-row tensor ``t`` (None for
-    None; ``t`` itself where the chunk holds every row), ``rows.span`` the slice (other dims)."""
+def _every_row(t):
+    return t
 
-    __slots__ = ("span", "whole")
 
-    def __init__(self, a: int, b: int, m: int):
-        self.span, self.whole = slice(a, b), b - a == m
+_every_row.span = slice(None)
 
-    def __call__(self, t):
-        return t if t is None or self.whole else t[self.span]
+
+def _rows(a: int, b: int):
+    """The rows ``[a, b)`` of a per-row tensor (None for None), and their slice as ``.span``."""
+    def rows(t):
+        return None if t is None else t[a:b]
+    rows.span = slice(a, b)
+    return rows
 
 
 def row_chunks(chunk: int, *heads: Head) -> Iterator[tuple]:
-    """For each chunk of ``chunk`` rows: ``(rows, *logits)``, ``rows`` the chunk's :class:`Rows`
-    and one ``[rows, V]`` block of logits per head (the heads share M and V, not H or dtype)."""
+    """For each chunk of ``chunk`` rows: ``(rows, *logits)``, ``rows(t)`` the chunk's rows of a
+    per-row tensor ``t`` (``t`` itself where one chunk holds every row; ``rows.span`` their slice,
+    for other dims) and one ``[rows, V]`` block of logits per head (the heads share M and V)."""
     m = heads[0].hidden.shape[0]
     buffers = [h.hidden.new_empty((min(chunk, m), h.weight.shape[0])) for h in heads]
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
-        rows = Rows(a, b, m)
-        yield (rows, *[_logits(rows(h.hidden), h.weight, h.bias, buffer if rows.whole else buffer[: b - a])
+        whole = b - a == m
+        rows = _every_row if whole else _rows(a, b)
+        yield (rows, *[_logits(rows(h.hidden), h.weight, h.bias, buffer if whole else buffer[: b - a])
                        for h, buffer in zip(heads, buffers)])
 
 

@@ -28,8 +28,9 @@ def _scaled(t: Optional[torch.Tensor], grad: torch.Tensor) -> Optional[torch.Ten
 
 def grads_needed(*params) -> tuple[bool, ...]:
     """Which of ``params`` (tensors or None) a call must form a gradient for."""
-    grad_on = torch.is_grad_enabled()
-    return tuple(grad_on and t is not None and t.requires_grad for t in params)
+    if not torch.is_grad_enabled():
+        return (False,) * len(params)
+    return tuple([t is not None and t.requires_grad for t in params])
 
 
 def grads_fake(params: tuple, need) -> tuple:

@@ -44,7 +44,7 @@ def compile_static(fn: Callable) -> Callable:
     cache reset first (so the recompile limit never silently sends a size back to eager), and
     donated buffers off (they forbid the repeated backward of one retained graph that the bwd
     mode times)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     import torch._functorch.config as functorch_config
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False

@@ -137,7 +137,7 @@ def execution_context(name: str, device: torch.device):
 def _caller(case: Case, context: str) -> Callable:
     if context != "compile":
         return case.call
-    torch._dynamo.reset()  # a fresh cache per case: no recompile limit quietly falling back to eager
+    torch.compiler.reset()  # a fresh cache per case: no recompile limit quietly falling back to eager
     return torch.compile(case.call, fullgraph=True, dynamic=False)
 
 

@@ -52,16 +52,25 @@ def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return glu(gate, up, activation)
 
 
+# torch's registries of the hooks of every module (``register_module_forward_hook`` ...): not
+# public API, read because no public call tells whether one is set (ARCHITECTURE.md lists them).
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _global_hooks() -> bool:
+    """Whether a hook of every module is set; True on a torch without these registries."""
+    from torch.nn.modules import module as module_globals
+
+    return any(getattr(module_globals, name, True) for name in _GLOBAL_HOOKS)
+
+
 def _plain_linear(module, x: torch.Tensor) -> bool:
     """True when calling ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``:
     an ``nn.Linear`` itself (not a LoRA or quantized subclass) without hooks, whose
     parameters are plain tensors of x's dtype, outside autocast."""
-    from torch.nn.modules import module as module_globals
-
     return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not module._backward_hooks and not module._backward_pre_hooks
-            and not module_globals._global_forward_hooks and not module_globals._global_forward_pre_hooks
-            and not module_globals._global_backward_hooks and not module_globals._global_backward_pre_hooks
+            and not module._backward_hooks and not module._backward_pre_hooks and not _global_hooks()
             and not is_dtensor(module.weight) and module.weight.dtype == x.dtype
             and not torch.is_autocast_enabled(x.device.type))
 

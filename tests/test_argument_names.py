@@ -1,4 +1,4 @@
-"""Errors name the caller's arguments (issue 25, item 6): the device checks of the losses name
+"""Errors name the caller's arguments: the device checks of the losses name
 the argument the other tensors must share a device with (``logits``, ``hidden``), never ``x``."""
 import pytest
 import torch

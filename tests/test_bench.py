@@ -220,7 +220,7 @@ def test_a_loss_is_differentiated_from_an_upstream_gradient_of_one():
 def test_a_provider_that_breaks_capture_is_reported_and_the_run_goes_on(device):
     """A provider that syncs with the host cannot be captured: its decode CUDA-graph records are
     errors, its bandwidth case is timed as plain calls (noted), and the next case still makes its
-    random inputs on the GPU (a broken capture used to leave the generator unusable)."""
+    random inputs on the GPU (a broken capture must not leave the generator unusable)."""
     if device == "cpu":
         pytest.skip("CUDA graphs need a GPU")
     base = ops()["rmsnorm"]

@@ -1,5 +1,5 @@
 """The contract every path keeps (kernel on the GPU, the interpreter, the plain-PyTorch fallback):
-the cases the differential fuzzer (issue 31) found wrong, each fixed and kept here.
+the cases the differential fuzzer found wrong, each fixed and kept here.
 
 1. Gradients of the linear losses for transposed hidden states / weights under an upstream
    gradient that is not 1; 2. the ops under a default device that is not the inputs';

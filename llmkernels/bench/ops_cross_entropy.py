@@ -4,10 +4,9 @@ bf16 (or the benchmark dtype) logits, int64 targets, ``reduction="mean"``; the b
 from an upstream gradient of 1, as ``loss.backward()`` does (``BenchOp.is_loss``: a gradient formed in
 the forward needs no further pass then; with any other factor it is scaled in place, two more
 ``M V e``). Default rows: 32768 / 8192 / 4096 at V = 32000 / 128256 / 262144 (the tokens of a
-training micro-batch), 2 GiB of bf16 logits: with 0.5 GiB (8192 rows at V = 32000) a forward +
-backward of ~0.4 ms was host-bound on the GPU machine in this process, every provider at 40-62% in
-one run or another, and at 256 MiB even the ~100 us forward was. Minimum bytes (``e`` = element size; the targets and
-the per-row statistics, under 0.1% at these sizes, are not counted):
+training micro-batch), 2 GiB of bf16 logits, so that the GPU's time, not the host's, is measured
+(smaller cases were host-bound: ``benchmarks/RESULTS.md``). Minimum bytes (``e`` = element size;
+the targets and the per-row statistics, negligible at these sizes, are not counted):
 
   fwd       logits read once:                          M V e
   bwd       logits read, gradient written:             2 M V e

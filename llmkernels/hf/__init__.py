@@ -26,7 +26,4 @@ from .families import supported_model_types
 from .marks import is_patched
 from .patching import PatchReport, patch, patch_model_type, unpatch_all
 
-# The name tests and scripts used before the package split.
-_is_patched = is_patched
-
 __all__ = ["PatchReport", "is_patched", "patch", "patch_model_type", "supported_model_types", "unpatch_all"]

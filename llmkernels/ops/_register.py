@@ -103,8 +103,7 @@ def _builder(record: type) -> Callable:
 def flattener(record: type) -> Callable:
     """``flatten(options)``: a ``record``'s values in the order of ``_record_fields``, the custom
     op's arguments after the tensors. Its paths are resolved here, once, so that what runs under
-    torch.compile is tuple indexing alone (Dynamo of torch 2.11 cannot trace ``hasattr`` on a
-    record's class)."""
+    torch.compile is tuple indexing alone (Dynamo cannot trace ``hasattr`` on a record's class)."""
     paths = tuple(path for _, _, path in _record_fields(record))
 
     def flatten(options: tuple) -> tuple:

@@ -73,7 +73,7 @@ def norm_bwd_kernel(
     k >= 2: Triton pipelines the row loop in k stages, its loads copied asynchronously into
     shared memory k - 1 tiles ahead (no registers held for them); 0: neither.
     The weight is loaded again for every tile (from L1, kept there with ``evict_last``) rather
-    than held across the loop: its registers are what the 16384-column tile was spilling.
+    than held across the loop: holding it would spill a 16384-column tile's registers.
     TAIL_N (one column chunk, N > BLOCK_N): the columns past BLOCK_N as a second, masked tile of
     TAIL_N columns with its own loads and dW / dB accumulators (10240 = 8192 + 2048).
     """

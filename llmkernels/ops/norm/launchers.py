@@ -4,7 +4,7 @@ A call's options travel as one record, :class:`NormOptions`, from ``rms_norm`` /
 to the kernels. What a call launches (kernels, constexprs, grids, the exchange slots' shape)
 depends on the sizes, dtypes, device and options of its arguments, not on their data: it is
 resolved once per such key (``FwdKey`` / ``BwdKey``, the options record in it) into a plan
-(``FWD_PLANS`` / ``BWD_PLANS``, ``_launch.Plans``), and each call looks its plan up, allocates its
+(``FWD_PLANS`` / ``BWD_PLANS``, ``_launch.PlanCache``), and each call looks its plan up, allocates its
 outputs (and the scratch its kernels write: exchange slots, dW / dB partials) and launches the
 plan's kernel handles (``_launch.Launcher``).
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session that validates a change: the CUDA tests of the op families, the GPU time of every
-# op family against an older commit (alternate runs, so the run-to-run spread is measured too), and
-# the eager host cost per call beside torch's. Each step has its own time limit and writes under OUT,
+# op family against an older commit (alternate runs, so the run-to-run spread is measured too), the
+# eager host cost per call beside torch's, and what each private API saves (host_paths.py). Each step has its own time limit and writes under OUT,
 # so a slow step costs only its own figures.
 #
 #   OLD=/path/to/old/checkout OUT=/path/to/out bash benchmarks/gpu_check.sh
@@ -36,14 +36,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log,
 }
 
 tiny=(); tests=(tests/test_norm.py tests/test_cross_entropy.py tests/test_rope.py tests/test_glu.py
-  tests/test_log_probs.py tests/test_distill.py tests/test_post_training_example.py tests/test_modules.py
-  tests/test_examples.py tests/test_argument_names.py tests/test_compile.py tests/test_hf.py)
+  tests/test_log_probs.py tests/test_distill.py tests/test_z_loss.py tests/test_post_training_example.py
+  tests/test_modules.py tests/test_examples.py tests/test_argument_names.py tests/test_compile.py tests/test_hf.py
+  tests/test_register.py tests/test_private_apis.py)
 [ "${TINY:-0}" = 1 ] && tiny=(--tiny) && tests=() && ONLY_OFF=1
 steps=" ${STEPS:-tests host generate speed} "
 want() { [[ $steps == *" $1 "* ]]; }
 want tests && step tests "${TESTS_S:-170}" python3 -m pytest -q -n 8 -p no:cacheprovider --maxfail=25 tests/test_launch.py "${tests[@]}"
 want host && step host "${HOST_S:-60}" python3 benchmarks/profile_overhead.py "${tiny[@]}" --budget $(( ${HOST_S:-60} - 15 )) \
   --out "$OUT/host.json"
+want host && step host_paths 40 python3 benchmarks/host_paths.py --out "$OUT/host_paths.json"
 want generate && step generate "${GENERATE_S:-120}" python3 benchmarks/generate_bench.py "${tiny[@]}" \
   --out "$OUT/generate.json"
 if want fuzz; then  # the fuzzer's long run: FUZZ_CASES over FUZZ_PROCS processes sharing one Triton cache

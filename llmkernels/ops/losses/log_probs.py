@@ -6,15 +6,15 @@
 
 the primitive of RL and preference losses (GRPO, PPO, DPO: ``examples/post_training.py``).
 
-Forward: row chunks. Each chunk's logits ``[C, V] = hidden_chunk @ weight.T`` (cuBLAS, in
-hidden's dtype) are read once by ``_row_logp_kernel``, which keeps a running max, the sum of
+Forward: row chunks. Each chunk's logits ``[C, V] = hidden_chunk @ weight.T`` (cuBLAS, summed
+and kept in fp32) are read once by ``_row_logp_kernel``, which keeps a running max, the sum of
 ``exp(z - max)`` and (entropy) the sum of ``exp(z - max) * z``, and writes ``logp``,
 ``entropy``, ``lse`` and ``E_p[z]`` (fp32). Only ``lse`` and ``E_p[z]`` are kept for the
 backward.
 
 Backward: the upstream gradients of ``logp`` and ``entropy`` are known only now, so the logits
-are recomputed, over vocabulary chunks (``base.grads_by_vocab_chunks``): the gradient
-block is formed in place, the weight gradient of a chunk is one matmul over all rows (exact,
+are recomputed in fp32, over vocabulary chunks (``base.grads_by_vocab_chunks``): the gradient
+block is formed in hidden's dtype, the weight gradient of a chunk is one matmul over all rows (exact,
 no fp32 ``[V, H]`` accumulator) and the hidden gradient is summed in an fp32 ``[M, H]`` buffer.
 Matmuls: 1 (forward) + 3 (backward: logits again, weight gradient, hidden gradient), each of
 ``2 M H V`` flops; the unfused computation (logits, log_softmax, gather) does 3.
@@ -31,7 +31,8 @@ from .._register import Op
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (check_chunk_size, check_head, check_ignore_index, check_target, check_temperature, chunk_rows,
-                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, row_lse, start_target_check)
+                   finish_target_check, gathered, grads_by_vocab_chunks, grads_fake, head_logits, row_lse,
+                   start_target_check)
 
 
 class LogProbsOptions(NamedTuple):
@@ -46,6 +47,11 @@ class LogProbsOptions(NamedTuple):
     vocab_chunk_size: Optional[int]  # vocabulary columns per backward chunk
     need: tuple[bool, ...]  # which of hidden, weight and bias want a gradient
 
+
+# The logits of both passes in fp32: the backward's, formed over vocabulary chunks by other GEMMs,
+# then differ from the forward's (whose lse and E_p[z] they are paired with) by fp32 rounding only,
+# which 1 / temperature magnifies far less than a bf16 rounding.
+LOGITS_DTYPE = torch.float32
 
 Outputs = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -83,15 +89,12 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
     logp, lse = rows(), rows()
     entropy, mu = (rows(), rows()) if want_entropy else (None, None)
-    chunk = chunk_rows(m, v, hidden.element_size(), hidden.device, options.chunk_size)
-    buffer = torch.empty((min(chunk, m), v), dtype=hidden.dtype, device=hidden.device)
+    chunk = chunk_rows(m, v, LOGITS_DTYPE.itemsize, hidden.device, options.chunk_size)
+    buffer = torch.empty((min(chunk, m), v), dtype=LOGITS_DTYPE, device=hidden.device)
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
         logits = buffer[: b - a]
-        if bias is None:
-            torch.mm(hidden[a:b], weight.t(), out=logits)
-        else:
-            torch.addmm(bias, hidden[a:b], weight.t(), out=logits)
+        head_logits(logits, hidden[a:b], weight, bias)
         launch(_row_logp_kernel, (b - a,), logits, target[a:b], logp[a:b], pointer(entropy, lse)[a:b],
                lse[a:b], pointer(mu, lse)[a:b], v, logits.stride(0), ignore_index, 1.0 / options.temperature,
                ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
@@ -114,7 +117,8 @@ def _logp_backward_launcher(grad_logp: Optional[torch.Tensor], grad_entropy: Opt
     coefs = torch.stack((n1, n1 if g2 is None else -g2, n1, n1))
     return grads_by_vocab_chunks(hidden, weight, bias, target, lse, coefs, None if g2 is None else mu,
                                  need=options.need, ignore_index=options.ignore_index,
-                                 inv_temp=1.0 / options.temperature, cols=options.vocab_chunk_size)
+                                 inv_temp=1.0 / options.temperature, cols=options.vocab_chunk_size,
+                                 logits_dtype=LOGITS_DTYPE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ over an LM head), ``sharded`` (a DTensor head weight gathered for the call). Eac
 here only."""
 from .checks import (DEFAULT_MEMORY, MEMORY_MODES, REDUCTIONS, check_chunk_size, check_chunking, check_head,
                      check_ignore_index, check_loss_options, check_reduction, check_target, check_temperature)
-from .chunks import accumulate_mm, aligned_cols, chunk_rows, grads_by_vocab_chunks
+from .chunks import accumulate_mm, aligned_cols, chunk_rows, grads_by_vocab_chunks, head_logits
 from .head import grads_fake, head_loss_ops
 from .row_kernels import grad_coefs, grad_tile, online_step, row_lse
 from .rows import (CrossEntropyOutput, RowLoss, ce_rows, count_rows, finish_loss, package_output, row_buffers,
@@ -16,7 +16,8 @@ from .targets import finish_target_check, start_target_check
 
 __all__ = ["DEFAULT_MEMORY", "MEMORY_MODES", "REDUCTIONS", "check_chunk_size", "check_chunking", "check_head",
            "check_ignore_index", "check_loss_options", "check_reduction", "check_target", "check_temperature",
-           "accumulate_mm", "aligned_cols", "chunk_rows", "grads_by_vocab_chunks", "grads_fake", "head_loss_ops",
+           "accumulate_mm", "aligned_cols", "chunk_rows", "grads_by_vocab_chunks", "head_logits", "grads_fake",
+           "head_loss_ops",
            "CrossEntropyOutput", "RowLoss", "ce_rows", "count_rows", "finish_loss", "package_output", "row_buffers",
            "scale_rows_", "grad_coefs", "grad_tile", "online_step", "row_lse", "gathered", "is_dtensor",
            "finish_target_check", "start_target_check"]

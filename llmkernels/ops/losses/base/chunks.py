@@ -39,10 +39,11 @@ from .row_kernels import softcapped, through_softcap
 
 
 @triton.jit
-def vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, inv_temp, softcap,
+def vocab_grad_kernel(X, G_OUT, T, LSE, MU, COEF, M, N, v0, stride_x, stride_g, ignore_index, inv_temp, softcap,
                       HAS_B: tl.constexpr, HAS_C: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-    """``X [M, N]`` (columns ``v0 .. v0 + N`` of the logits) overwritten with ``G`` (module
-    docstring); ``COEF [4, M]`` fp32 holds A, B, C, D. Grid: (M, cdiv(N, BLOCK))."""
+    """``G_OUT [M, N]`` (``X`` itself, or a buffer of another dtype) written with ``G`` (module
+    docstring) of ``X [M, N]``, columns ``v0 .. v0 + N`` of the logits; ``COEF [4, M]`` fp32 holds
+    A, B, C, D. Grid: (M, cdiv(N, BLOCK))."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -60,7 +61,7 @@ def vocab_grad_kernel(X, T, LSE, MU, COEF, M, N, v0, stride_x, ignore_index, inv
     g = tl.where(cols + v0 == t, g - d, g)
     g = through_softcap(g, z, softcap, HAS_SOFTCAP) * inv_temp
     g = tl.where(t != ignore_index, g, 0.0)
-    tl.store(X + row * stride_x + cols, g.to(X.dtype.element_ty), mask=mask)
+    tl.store(G_OUT + row * stride_g + cols, g.to(G_OUT.dtype.element_ty), mask=mask)
 
 
 def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int] = None,
@@ -98,27 +99,43 @@ def _fit(n: int, other: int, element_size: int, device: torch.device, chunk_byte
     return cdiv(n, cdiv(n, size)) if n else 1
 
 
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16 products,
-    in cuBLAS's epilogue on CUDA: no temporary of ``acc``'s size)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype: products rounded to a's dtype
-            acc += torch.mm(a, b).to(acc.dtype)
+def head_logits(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """``out = hidden @ weight.T (+ bias)``. With ``out`` wider than hidden (fp32 logits of bf16
+    inputs) the products are summed in fp32 and never rounded to hidden's dtype, so that logits
+    formed in another pass, by other shapes and GEMM kernels, differ from these by fp32 rounding
+    only: what a backward that pairs recomputed logits with the forward's statistics needs."""
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=out) if out.dtype == hidden.dtype else accumulate_mm(out, hidden,
+                                                                                               weight.t(), beta=0)
+    elif out.dtype == hidden.dtype:
+        torch.addmm(bias, hidden, weight.t(), out=out)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        out.copy_(bias.expand_as(out))
+        accumulate_mm(out, hidden, weight.t())
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """``acc = beta * acc + a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16
+    products, in cuBLAS's epilogue on CUDA: no temporary of ``acc``'s size); ``beta`` 0 or 1."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b, beta=beta)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           target: torch.Tensor, lse: torch.Tensor, coefs: torch.Tensor, mu: Optional[torch.Tensor],
                           *, need: tuple, ignore_index: int, inv_temp: float = 1.0, softcap: Optional[float] = None,
-                          has_c: bool = False, cols: Optional[int] = None):
+                          has_c: bool = False, cols: Optional[int] = None,
+                          logits_dtype: Optional[torch.dtype] = None):
     """``(grad_hidden, grad_weight, grad_bias)`` (each None unless ``need``-ed) of the loss whose
     logits gradient the module docstring describes: ``coefs [4, M]`` fp32 (A, B, C, D), ``mu``
-    ``[M]`` fp32 or None (B = 0), ``has_c``: C is not all zero. ``cols``: columns per chunk."""
+    ``[M]`` fp32 or None (B = 0), ``has_c``: C is not all zero. ``cols``: columns per chunk.
+    ``logits_dtype`` (fp32): the logits are formed in it (``head_logits``), as the forward formed
+    the ``lse`` they are paired with, and the gradient written to a second buffer in hidden's
+    dtype; None: in hidden's dtype, the gradient written over them."""
     need_h, need_w, need_b = need
     m, v = hidden.shape[0], weight.shape[0]
     # An unchecked target outside [0, V) makes its row's gradient NaN, as the row kernels do.
@@ -132,21 +149,22 @@ def grads_by_vocab_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
         if need_b:
             grad_bias.zero_()
     else:
-        cols = cols or chunk_cols(m, v, hidden.element_size(), hidden.device)
+        apart = logits_dtype not in (None, hidden.dtype)
+        per_element = hidden.element_size() + (logits_dtype.itemsize if apart else 0)
+        cols = cols or chunk_cols(m, v, per_element, hidden.device)
         buffer = torch.empty(m * min(cols, v), dtype=hidden.dtype, device=hidden.device)
+        logits_buffer = torch.empty(m * min(cols, v), dtype=logits_dtype, device=hidden.device) if apart else buffer
         kernel = DEFAULT_CONFIG.vocab_grad
         for v0 in range(0, v, cols):
             n = min(v, v0 + cols) - v0
             block = buffer[: m * n].view(m, n)  # contiguous, so cuBLAS writes it in place
+            logits = logits_buffer[: m * n].view(m, n)
             w = weight[v0:v0 + n]
-            if bias is None:
-                torch.mm(hidden, w.t(), out=block)
-            else:
-                torch.addmm(bias[v0:v0 + n], hidden, w.t(), out=block)
-            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, target, lse, pointer(mu, lse), coefs,
-                   m, n, v0, block.stride(0), ignore_index, inv_temp, 1.0 if softcap is None else softcap,
-                   HAS_B=mu is not None, HAS_C=has_c, HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v,
-                   num_warps=kernel.num_warps)
+            head_logits(logits, hidden, w, None if bias is None else bias[v0:v0 + n])
+            launch(vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), logits, block, target, lse, pointer(mu, lse),
+                   coefs, m, n, v0, logits.stride(0), block.stride(0), ignore_index, inv_temp,
+                   1.0 if softcap is None else softcap, HAS_B=mu is not None, HAS_C=has_c,
+                   HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v, num_warps=kernel.num_warps)
             if need_w:
                 torch.mm(block.t(), hidden, out=grad_weight[v0:v0 + n])
             if need_b:

@@ -32,6 +32,26 @@ def _mesh(world, device):
     return init_device_mesh(device.type, (world,))
 
 
+class _AdamW:
+    """AdamW over DTensor and plain parameters as a user must run it: one optimizer each, since
+    the foreach implementation (PyTorch's default on CUDA; asked for here on the CPU too, where the
+    default is a loop that takes any mix) refuses DTensors and plain tensors in one call."""
+
+    def __init__(self, params):
+        from torch.distributed.tensor import DTensor
+
+        groups = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        self.optimizers = [torch.optim.AdamW(group, lr=1e-3, foreach=True) for group in groups if group]
+
+    def zero_grad(self):
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+
 # -- fused linear losses on a sharded head ---------------------------------------------------------
 def _head_losses(hidden, weight, target, teacher, upstream):
     """The three fused losses of one batch, summed: cross-entropy (ignore_index rows, label
@@ -58,7 +78,7 @@ def _sharded_head_rank(rank, world, device, ckpt):
                         (torch.randn(m, generator=g) + 2).to(device)))
 
     def train(weight, proj, teacher_w, rows, dtype, average):
-        opt = torch.optim.AdamW([weight, proj], lr=1e-3)
+        opt = _AdamW([weight, proj])
         losses = []
         for x, t, tx, adv in batches:
             opt.zero_grad()
@@ -252,7 +272,7 @@ def _linear_rank(rank, world, device, reduction, chunk_size):
     options = dict(z_loss=1e-3, label_smoothing=0.1, reduction=reduction)
 
     def train(params, loss_fn, **layout):
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt = _AdamW(params)
         losses = []
         for t in batches:
             opt.zero_grad()

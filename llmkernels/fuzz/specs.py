@@ -163,7 +163,7 @@ def rope(d: Draw, hf: bool) -> Case:
         args["unsqueeze_dim"] = 1 if layout == "bhsd" else 2
         return Case("apply_rotary_pos_emb", args, lambda a: lk.apply_rotary_pos_emb(**a),
                     lambda a, c: reference.hf_apply_rotary_pos_emb(**a), ("q", "k"), row_input="q", row_outputs=(0,), nan_in_grad=False,
-                    bad=_common_bad(d, args, ("q", "k", "cos", "sin"), {"unsqueeze_dim": 3}))
+                    bad=_common_bad(d, args, ("q", "k", "cos", "sin"), {"unsqueeze_dim": 5}))
     position_ids = None
     if table:
         position_ids = torch.randint(0, cshape[0], d.choice(((s,), (b, s))), generator=d.gen, device="cpu").to(d.device)

@@ -8,9 +8,11 @@ hears of it, so that a parent killed at any moment loses only the runs in flight
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import time
 import traceback
 from collections import deque
@@ -25,6 +27,8 @@ from .store import write_json
 from .train import TimeUp, TrainConfig, eval_windows, set_deterministic, train_run
 
 POLL_SECONDS = 2.0  # how often the parent looks for a training process that died
+CLOSE_SECONDS = 30.0  # how long a training process may take to exit when the sweep ends
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,18 @@ class Local:
         set_deterministic(False)
 
 
+def _die_with_parent():
+    """On Linux, end this process when its parent dies (a call killed at its time limit leaves no
+    training process behind holding a GPU)."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve(index: int, setup: Setup, device: str, tasks, results):
     """A training process: start ``device``, then train each task it is given."""
+    _die_with_parent()
     try:
         state = start_device(setup, device)
     except Exception:  # noqa: BLE001 - any failure to start is reported, not raised in a child
@@ -216,10 +230,12 @@ class Pool:
         self.pending.clear()
 
     def close(self, abort: bool = False):
-        """Let each process finish its run and exit; ``abort``: end them now."""
+        """Let each process finish its run and exit (``abort``: end them now)."""
         for _ in self.procs:
             self.tasks.put(None)
         for p in self.procs:
             if abort:
                 p.terminate()
-            p.join(timeout=None if not abort else 10)
+            p.join(timeout=CLOSE_SECONDS)
+            if p.is_alive():
+                p.kill()

@@ -403,6 +403,8 @@ def test_compare_two_sweeps(tmp_path, capsys):
     assert "The quoted exponents agree" in text and "| approach 3: a | 0.430 | [0.390, 0.470] | 0.490 |" in text
     assert compare.main([str(a_dir), str(tmp_path / "missing")], None) == 1
     assert "no readable report.json" in capsys.readouterr().out
+    (tmp_path / "old.json").write_text(json.dumps({"analysis": {"gate": {"ok": None}}}))  # before the comparison
+    assert compare.main([str(a_dir), str(tmp_path / "old.json")], None) == 1 and "--fit-only" in capsys.readouterr().out
 
 
 def test_bootstrap_in_processes_equals_one_process(seed):

@@ -88,7 +88,12 @@ def main(paths: list[str], out: str | None, log=print) -> int:
     except ValueError as exc:
         log(f"llmkernels scaling: {exc}")
         return 1
-    cmp = compare(*reports)
+    try:
+        cmp = compare(*reports)
+    except KeyError as exc:
+        log(f"llmkernels scaling: --compare: a report without {exc} (written before the comparison existed: "
+            "refit it with --fit-only)")
+        return 1
     text = markdown(cmp, tuple(paths))
     log(text)
     if out:

@@ -71,6 +71,7 @@ HOFFMANN_URL = "https://arxiv.org/abs/2203.15556"
 HOFFMANN_SCALE = dict(params=(70e6, 16e9), budgets=(6e18, 3e21),
                       data="SentencePiece subword tokens of MassiveText (32K vocabulary, Rae et al. 2021)")
 HOFFMANN_LEVEL = "10th-90th percentile, bootstrap"
+CHINCHILLA_MODEL = (70e9, 1.4e12)  # Chinchilla itself: parameters, training tokens (Hoffmann et al., Table 3)
 
 CHINCHILLA = (
     Published("chinchilla_1", "Chinchilla, approach 1 (training-curve envelope)", HOFFMANN, HOFFMANN_URL,

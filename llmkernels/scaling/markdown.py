@@ -6,9 +6,7 @@ import math
 
 from . import surface
 from .data import bits_per_byte
-from .literature import BESIROGLU, CHINCHILLA, LITERATURE, PORIAN, PORIAN_STEPS
-
-CHINCHILLA_MODEL = (70e9, 1.4e12)  # Chinchilla itself: parameters, training tokens (Hoffmann et al., Table 3)
+from .literature import BESIROGLU, CHINCHILLA, CHINCHILLA_MODEL, LITERATURE, PORIAN, PORIAN_STEPS
 
 
 def num(v, fmt=".3f") -> str:
@@ -115,14 +113,14 @@ def _lr_lines(an: dict) -> list[str]:
     by_batch = ", ".join(f"{k}: {v:+.2f}" for k, v in (rule.get("by_batch") or {}).items()) or "n/a"
     d = an["design"]
     beta2 = "/".join(f"{v:g}" for v in d.get("beta2") or []) or "n/a"
-    warm = d.get("warmup_share")
+    warm, floor = d.get("warmup_share"), d.get("min_lr_ratio")
     return ["## Hyperparameters", "",
             f"Peak learning rate `lr = c·(N/1e6)^-gamma·(batch_tokens/2^15)^kappa` with c = {num(rule.get('c'), '.3g')}, "
             f"gamma = {num(rule.get('gamma'))}, kappa = {num(rule.get('kappa'))} ({rule.get('source', 'n/a')}); "
             f"{len(rule.get('groups') or [])} sweep groups, {rule.get('edges', 0)} with the best rate still at an edge "
             f"of the rates tried (`lr_sweep.png`); mean residual of log lr* by batch tokens (kappa's check): {by_batch}. "
             f"Warm-up {num(warm and warm[0], '.1%')} to {num(warm and warm[1], '.1%')} of the steps, then a cosine to "
-            f"10%; AdamW beta2 {beta2} (`plan.HParams`).", ""]
+            f"{'/'.join(f'{v:.0%}' for v in floor or []) or 'n/a'} of the peak; AdamW beta2 {beta2} (`plan.HParams`).", ""]
 
 
 def _fits_lines(an: dict) -> list[str]:

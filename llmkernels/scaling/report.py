@@ -75,6 +75,7 @@ def design_summary(results: list[dict], sweep: list[dict]) -> dict:
                                  for r in models.values()),
         "attention_share": _span(_attention_share(r) for r in models.values()),
         "beta2": sorted({r["train"]["beta2"] for r in sweep if "beta2" in r.get("train", {})}),
+        "min_lr_ratio": sorted({r["train"]["min_lr_ratio"] for r in sweep if "min_lr_ratio" in r.get("train", {})}),
         "warmup_share": _span(r["train"]["warmup_steps"] / r["steps"] for r in sweep if "warmup_steps" in r.get("train", {})),
     }
 

@@ -414,3 +414,18 @@ def test_bootstrap_in_processes_equals_one_process(seed):
     one = intervals.bootstrap(runs, fits, n=4, seed=seed, processes=1)
     two = intervals.bootstrap(runs, fits, n=4, seed=seed, processes=2)
     assert one == two and one["a3_a"]["samples"] == 4
+
+
+def test_throughput_per_size_from_the_committed_runs():
+    """MFU per model size and batch, from each run's measured time and the stated count of FLOPs."""
+    runs = json.load(open(COMMITTED))["runs"]
+    rows = report.throughput(runs)
+    kernels = [r for r in runs if r["backend"] == "kernels" and r["mfu"]]
+    assert sum(r["runs"] for r in rows) == len(kernels) and len({(r["name"], r["batch"]) for r in rows}) == len(rows)
+    for row in rows:
+        mine = [r for r in kernels if r["name"] == row["name"] and r["train"]["batch_size"] == row["batch"]]
+        mfu = [r["tokens"] / r["train_seconds"] * r["flops_per_token"] / 989.4e12 for r in mine]
+        assert row["mfu"] == pytest.approx(float(np.median(mfu)), rel=1e-6) and row["mfu_max"] == pytest.approx(max(mfu))
+    text = "\n".join(markdown._throughput_lines({"throughput": rows}))
+    big = [r["mfu"] for r in rows if r["params"] >= 10e6]
+    assert "peak = 989.4 TFLOP/s" in text and f"From 10M parameters: MFU {min(big):.1%} to {max(big):.1%}." in text

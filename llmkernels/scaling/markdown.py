@@ -24,7 +24,7 @@ def count(n: float) -> str:
 def _share(span: list | None) -> str:
     if not span:
         return "n/a"
-    lo, hi = (f"{v:.0%}" for v in span)
+    lo, hi = (f"{v:.2g}%" for v in (100 * v for v in span))
     return lo if lo == hi else f"{lo}-{hi}"
 
 
@@ -256,12 +256,12 @@ def _throughput_lines(an: dict) -> list[str]:
     rows = an["throughput"]
     if not rows:
         return ["## Throughput", "", "No run has a measured MFU (no GPU of known peak).", ""]
-    peak = sorted({r["peak_flops"] for r in rows})
+    peak = sorted({round(r["peak_flops"] / 1e12, 1) for r in rows})
     lines = ["## Throughput of the training step", "",
              "MFU = tokens/s x FLOPs a token / peak, FLOPs a token = 6·N_total + 6·layers·seq_len·width (every matrix "
              "product with the head, and the attention scores over the causal half: `plan.ModelConfig`), tokens/s "
              "from each run's measured training time (its held-out evaluations excluded), peak = "
-             + "/".join(f"{v / 1e12:.1f}" for v in peak) + " TFLOP/s (bf16 dense). Medians over the runs of each size "
+             + "/".join(f"{v:g}" for v in peak) + " TFLOP/s (bf16 dense). Medians over the runs of each size "
              "and batch:", "", "| size | N total | batch | runs | steps | tokens/s | MFU | best MFU |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['name']} | {count(r['params'])} | {r['batch']} | {r['runs']} | {r['steps']:,} | "

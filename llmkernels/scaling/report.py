@@ -68,7 +68,7 @@ def design_summary(results: list[dict], sweep: list[dict]) -> dict:
         "sizes_per_budget": _span(len(rs) for rs in groups.values()), "params": _span(r["params"] for r in sweep),
         "tokens": _span(r["tokens"] for r in sweep),
         "tokens_per_param": _span(r["tokens"] / r["params"] for r in sweep),
-        "batch_by_budget": {f"{c:.3g}": sorted({r["batch"] for r in rs}) for c, rs in groups.items()},
+        "batch_by_budget": {f"{c:.3g}": sorted({r["train"]["batch_size"] for r in rs}) for c, rs in groups.items()},
         "seeds": sorted({r["seed"] for r in sweep}), "check_seeds": sorted({r["seed"] for r in results if r["stage"] == "seed"}),
         "seq_len": sorted(seq), "vocab": sorted({r["model"]["vocab_size"] for r in sweep if "model" in r}),
         "embedding_share": _span(r.get("embedding_params", r["params"] - r["non_embedding_params"]) / r["params"]
@@ -95,7 +95,7 @@ def throughput(results: list[dict]) -> list[dict]:
     for r in results:
         if r.get("mfu") is None or r.get("backend") != "kernels" or r.get("val_loss") is None:
             continue
-        rows.setdefault((r["params"], r["name"], r["batch"]), []).append(r)
+        rows.setdefault((r["params"], r["name"], r["train"]["batch_size"]), []).append(r)
     out = []
     for (params, name, batch), rs in sorted(rows.items()):
         out.append({"name": name, "params": params, "batch": batch, "runs": len(rs), "steps": sum(r["steps"] for r in rs),

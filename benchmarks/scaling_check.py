@@ -7,19 +7,26 @@ parameters, head and attention included: ``plan.ModelConfig.flops_per_token``) a
 bf16 dense peak. Then, from one initialisation, one bf16 step's loss and gradients on both backends
 (relative differences). Prints a table; writes ``$OUT/scaling_check.json`` when OUT is set.
 
+``--profile``: where a step's GPU time goes instead, for each shape and batch: the kernels of a few
+eager steps of the kernels backend (the same kernels the graph replays) under ``torch.profiler``,
+summed by family (matrix products, attention, norms, RoPE, SwiGLU, head + loss, optimizer and
+clip, casts and copies, the rest) and the ten costliest kernels; ``$OUT/scaling_profile.json``.
+
     python benchmarks/scaling_check.py                          # the default shapes and batches
     python benchmarks/scaling_check.py --shapes 8x512 --batches 256 --vocab 8192 --seq-len 256
+    python benchmarks/scaling_check.py --profile --shapes 4x256,6x384 --batches 64,256
 """
 import argparse
 import json
 import os
+import re
 import time
 
 import torch
 
 from llmkernels.scaling.model import GPT
-from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder
-from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, peak_flops
+from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder, peak_flops
+from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, set_deterministic
 
 
 def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: int, tokens: torch.Tensor) -> dict:
@@ -48,6 +55,45 @@ def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: 
             "mfu": None if peak is None else flops / peak, "setup_s": setup, "loss": loss}
 
 
+# Kernel families by name (first match): cuBLAS / CUTLASS products, FlashAttention, llmkernels' Triton
+# kernels by their function names, the fused AdamW and the clip's norms, elementwise copies and casts.
+FAMILIES = (("matmul", r"gemm|cutlass|xmma|nvjet|sm\d+_.*(mma|tensorop)"), ("attention", r"flash|fmha|attention"),
+            ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"), ("glu", r"glu"),
+            ("head + loss", r"(^|_)ce_|finish_kernel|scale_rows"), ("embedding", r"embedding|grad_weight|sort"),
+            ("optimizer + clip", r"adam|multi_tensor|foreach|lpnorm|reduce_kernel"),
+            ("elementwise (copies, casts, fills)", r"copy|cast|elementwise|vectorized|unrolled|index|gather|fill"))
+
+
+def family(kernel: str) -> str:
+    return next((name for name, pattern in FAMILIES if re.search(pattern, kernel, re.I)), "other")
+
+
+def profile_step(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor) -> dict:
+    """GPU time of ``steps`` eager steps of the kernels backend, by kernel family and by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = GPT(cfg, "kernels", compute_dtype=torch.bfloat16).cuda()
+    stepper = Stepper(model, TrainConfig(steps=steps + 2, batch_size=batch, lr=1e-3, warmup_steps=1), tokens,
+                      device=torch.device("cuda"), amp=autocast_for(torch.device("cuda"), torch.bfloat16), capture=False)
+    stepper.advance(1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stepper.advance(steps)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
+    total = sum(kernels.values())
+    by_family = {}
+    for name, ms in kernels.items():
+        by_family[family(name)] = by_family.get(family(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return {"shape": cfg.name, "params": cfg.total_params(), "batch": batch, "gpu_ms_per_step": total,
+            "families": {k: {"ms": v, "share": v / total} for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": k[:120], "ms": v, "share": v / total, "family": family(k)} for k, v in top]}
+
+
 def agreement(cfg: ModelConfig, batch: int) -> dict:
     """One bf16 step from the same init on both backends: loss and the largest gradient difference."""
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device="cuda")
@@ -73,14 +119,22 @@ def main():
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="timed steps (default: %(default)s)")
     p.add_argument("--eager", default="4x256,8x512", help="shapes also timed without the CUDA graph (kernels backend)")
+    p.add_argument("--profile", action="store_true", help="the GPU time of a step by kernel family instead (see above)")
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="the sweep's model, with QK-norm (default: on, as the sweep)")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="PyTorch's default kernels (the sweep trains with deterministic ones unless told otherwise)")
     args = p.parse_args()
+    set_deterministic(not args.nondeterministic)
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}")
     tokens = torch.randint(0, min(args.vocab, 256), (1 << 24,), device="cuda", dtype=torch.int16)
+    if args.profile:
+        return profile_main(args, name, tokens)
     eager = set(parse_ladder(args.eager)) if args.eager else set()
     rows = []
     for layers, width in parse_ladder(args.shapes):
-        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len)
+        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm)
         for batch in (int(b) for b in args.batches.split(",")):
             for backend in ("kernels", "reference"):
                 rows.append(time_step(cfg, batch, backend, True, args.steps, tokens))
@@ -88,7 +142,7 @@ def main():
             if (layers, width) in eager:
                 rows.append(time_step(cfg, batch, "kernels", False, args.steps, tokens))
                 print(rows[-1], flush=True)
-    checks = [agreement(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len), 8)
+    checks = [agreement(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm), 8)
               for layers, width in parse_ladder(args.shapes)[:2]]
     print(f"\n{'shape':<9}{'N total':>12}{'N non-emb':>12}{'batch':>6}{'backend':>10}{'graph':>6}{'ms/step':>9}"
           f"{'tok/s':>12}{'TFLOP/s':>9}{'MFU':>7}")
@@ -107,7 +161,23 @@ def main():
               f"largest gradient difference {c['max_grad_rel_err']:.2e} (relative)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_check.json"), "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "rows": rows, "agreement": checks}, f, indent=1)
+            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
+                       "deterministic": not args.nondeterministic, "rows": rows, "agreement": checks}, f, indent=1)
+
+
+def profile_main(args, name: str, tokens: torch.Tensor):
+    rows = [profile_step(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm), int(batch),
+                         min(args.steps, 10), tokens)
+            for layers, width in parse_ladder(args.shapes) for batch in args.batches.split(",")]
+    for r in rows:
+        print(f"\n{r['shape']} ({r['params'] / 1e6:.1f}M), batch {r['batch']}: {r['gpu_ms_per_step']:.2f} ms of GPU a step")
+        print("  " + ", ".join(f"{k} {v['share']:.0%}" for k, v in r["families"].items()))
+        for k in r["top"]:
+            print(f"  {k['ms']:8.3f} ms {k['share']:6.1%}  {k['family']:<16} {k['kernel']}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "scaling_profile.json"), "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
+                       "deterministic": not args.nondeterministic, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ positions, the LM head ``weight [V, H]`` and the completion tokens ``tokens [B, 
 algorithm brings from outside the step (rollout log-probabilities, advantages, reference
 log-probabilities, all detached).
 
-Run ``python examples/post_training.py`` (CPU is fine: kernels run through Triton's interpreter
-when ``TRITON_INTERPRET=1``, else the plain-PyTorch reference) for a few steps of each on a toy
-policy.
+Run ``python examples/post_training.py`` for a few steps of each on a toy policy. Without a GPU
+it runs the kernels through Triton's interpreter on the CPU (``TRITON_INTERPRET=0``: the
+plain-PyTorch reference instead); it says which path ran.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
@@ -130,6 +131,13 @@ def main(steps: int = 3, batch: int = 4, length: int = 8, vocab: int = 64, width
     """A few optimiser steps of each loss on a toy policy; returns the losses per step."""
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
+    if verbose:
+        on = ("the plain-PyTorch fallback (Triton is not installed)" if importlib.util.find_spec("triton") is None
+              else "Triton kernels on the GPU" if torch.cuda.is_available() else
+              "Triton kernels in Triton's interpreter (CPU)" if os.environ.get("TRITON_INTERPRET") == "1" else
+              "the plain-PyTorch fallback (TRITON_INTERPRET=0)")
+        print(f"GRPO, PPO and DPO on a toy policy ({vocab} tokens, width {width}), {steps} AdamW steps each, "
+              f"linear_log_probs on {on}:")
     history = {}
     for name in ("grpo", "ppo", "dpo"):
         policy, reference = ToyPolicy(vocab, width), ToyPolicy(vocab, width)
@@ -156,7 +164,7 @@ def main(steps: int = 3, batch: int = 4, length: int = 8, vocab: int = 64, width
             losses.append(loss.item())
         history[name] = losses
         if verbose:
-            print(f"{name}: " + ", ".join(f"{x:.4f}" for x in losses))
+            print(f"{name} loss, steps 1-{steps}: " + ", ".join(f"{x:.4f}" for x in losses))
     return history
 
 

@@ -3,9 +3,7 @@
 The public API is below. Names are imported on first use, so that ``llmkernels --help`` and
 ``llmkernels --version`` answer without importing torch.
 """
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -44,12 +42,13 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         if name in _SUBMODULES:  # ``llmkernels.reference`` without importing it first, as before
-            return importlib.import_module(f".{name}", __name__)
+            return _importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'llmkernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # later look-ups skip this function
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    """The public API (``__all__``), not this module's machinery or the submodules imported so far."""
+    return sorted(__all__)

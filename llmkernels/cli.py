@@ -1,4 +1,4 @@
-"""The ``llmkernels`` command: ``bench``, ``env``, ``scaling``, ``--version``.
+"""The ``llmkernels`` command: ``env``, ``bench``, ``tune``, ``fuzz``, ``scaling``, ``--version``.
 
 torch is imported by the commands that need it, not here: ``--help`` and ``--version`` answer at
 once.
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import subprocess
 import sys
+import warnings
+from typing import Optional
 
 from . import __version__
 
@@ -16,17 +19,17 @@ USAGE = """usage: llmkernels [-h] [--version] <command> [options]
 Fused Triton kernels for training transformers.
 
 commands:
+  env       what llmkernels runs on: GPU and its memory bandwidth, CUDA, torch, triton,
+            transformers, whether Triton's interpreter is on, which peers are installed.
   bench     check every op against its float64 reference, then time it (GB/s, % of the GPU's
             copy bandwidth, decode latency) beside every installed peer; writes JSON, Markdown
-            and PNG plots to a new folder per run. Without a GPU: the check only, through
-            Triton's interpreter on CPU.
-  env       what llmkernels runs on: GPU and its memory bandwidth, CUDA, torch, triton,
-            transformers, whether Triton's interpreter is active, which peers are installed.
-  tune      search each kernel family's launch configurations on this GPU and write its
-            per-device cache (read when launch plans are made); resumable, --budget seconds.
-  scaling   scaling-law experiments built on the kernels (extra `scaling`).
-  fuzz      the differential fuzzer: random shapes, dtypes, layouts, options and execution
-            contexts of every op against its float64 reference (`fuzz --help`).
+            and plots to a new folder per run. Without a GPU: the check only, through Triton's
+            interpreter on the CPU.
+  tune      measure this GPU's best launch configurations and write them to a per-user cache
+            that llmkernels reads on this GPU (resumable; --tiny: a check on the CPU).
+  fuzz      check every op against its float64 reference on random shapes, dtypes, layouts,
+            options and execution contexts.
+  scaling   compute-optimal scaling-law experiments trained with the kernels (extra `scaling`).
 
 options:
   -h, --help  show this message and exit
@@ -89,6 +92,13 @@ def _configs_line(index: int) -> str:
             f"(copy {model.copy_gbps:.0f} GB/s, {model.copy_source}; {model.in_flight_per_sm} B in flight an SM)")
 
 
+def _cache_line() -> str:
+    from .ops import _device
+
+    return (f"tuned cache   {_device.cache_dir()} (written by `llmkernels tune`; "
+            f"{_device.CACHE_DIR_VARIABLE}=DIR moves it)")
+
+
 def env() -> str:
     """The ``llmkernels env`` report."""
     import platform
@@ -102,11 +112,31 @@ def env() -> str:
              f"torch         {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}",
              f"triton        {triton or 'not installed: every op takes the plain-PyTorch path'}",
              f"interpreter   {'on' if interpret else 'off'} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')})",
-             *_gpu_lines(torch)]
+             *_gpu_lines(torch), _cache_line()]
     for group, dists in (("integrations", INTEGRATIONS), ("peers", PEERS)):
         found = ", ".join(f"{d} {_version(d) or 'not installed'}" for d in dists)
         lines.append(f"{group:<13} {found}")
     return "\n".join(lines)
+
+
+def kernels_or_rerun(module: str, argv) -> Optional[int]:
+    """Make a command that checks the kernels run them: None where this process can (a GPU, or
+    Triton's interpreter already on); else run ``python -m <module> <argv>`` again with
+    ``TRITON_INTERPRET=1`` and return its exit status (Triton reads the variable when
+    llmkernels' kernels are defined, at ``import llmkernels``, so it cannot be set from here)."""
+    import torch
+
+    from .ops._launch import HAVE_TRITON, INTERPRET
+
+    if torch.cuda.is_available() or INTERPRET or not HAVE_TRITON:
+        return None
+    return subprocess.call([sys.executable, "-m", module, *argv], env=dict(os.environ, TRITON_INTERPRET="1"))
+
+
+def quiet_interpreter() -> None:
+    """Hide the NumPy RuntimeWarnings that Triton's interpreter raises on masked-off lanes (log
+    of 0, inf - inf): values no kernel keeps, so the user has nothing to act on."""
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
 
 def main(argv=None) -> int:

@@ -231,16 +231,35 @@ def _linear_logits(hidden, weight, bias, temperature, compute_dtype, logits_dtyp
 def _target_rows(target, v, ignore_index, check_targets=True):
     """``(valid, in_range)``: rows whose target is not ``ignore_index``, and rows whose target is
     in ``[0, v)``. ``check_targets``: ValueError for a valid row whose target is out of range
-    (else that row's outputs and gradient are NaN: :func:`_poisoned`)."""
+    (else that row's outputs and gradient are NaN: :func:`_poisoned`). Under torch.compile the
+    check is the custom op ``llmkernels::checked_target_rows``, which the graph keeps (its outputs
+    are used) and which raises when the compiled code runs, where a branch on the values could not
+    be traced."""
+    if check_targets and torch.compiler.is_compiling():
+        return checked_target_rows(target, v, ignore_index)
     valid = target != ignore_index
     in_range = (target >= 0) & (target < v)
     if check_targets:
-        bad = valid & ~in_range
-        if bad.any():
-            row = int(bad.nonzero()[0, 0])
-            raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and "
-                             f"is not ignore_index ({ignore_index})")
+        _raise_bad_target(target, valid & ~in_range, v, ignore_index)
     return valid, in_range
+
+
+def _raise_bad_target(target, bad, v, ignore_index):
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{row}] = {int(target[row])} is outside [0, {v}) (the vocabulary size) and "
+                         f"is not ignore_index ({ignore_index})")
+
+
+@torch.library.custom_op("llmkernels::checked_target_rows", mutates_args=())
+def checked_target_rows(target: torch.Tensor, v: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_target_rows` with the check, as one op for torch.compile."""
+    return _target_rows(target, v, ignore_index)
+
+
+@checked_target_rows.register_fake
+def _(target, v, ignore_index):
+    return torch.empty_like(target, dtype=torch.bool), torch.empty_like(target, dtype=torch.bool)
 
 
 def _poisoned(rows, valid, in_range):

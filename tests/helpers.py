@@ -57,7 +57,10 @@ def bad_input_test(cases):
     return test_bad_input
 
 
-def run_ranks(fn, *args, world: int = 2):
+RANKS = int(os.environ.get("LLMKERNELS_TEST_RANKS", "2"))  # 4: the several-process tests on 4 GPUs
+
+
+def run_ranks(fn, *args, world: int = RANKS):
     """``fn(rank, world, device, *args)`` in ``world`` processes joined by the default process
     group: NCCL over GPUs where there are ``world`` of them, else gloo on the CPU. ``fn`` must be
     a module-level function; an exception in a rank fails the caller with that rank's traceback."""

@@ -91,3 +91,30 @@ def test_glu_custom_ops_opcheck(activation):
     torch.library.opcheck(torch.ops.llmkernels.glu_fwd.default, (gate, up, activation))
     dy = torch.randn(m, n, device=DEVICE)
     torch.library.opcheck(torch.ops.llmkernels.glu_bwd.default, (dy, gate.detach(), up.detach(), activation))
+
+
+LOSSES = {  # (loss of (hidden, weight, target)): the losses that check their targets
+    "cross_entropy": lambda h, w, t: llmkernels.cross_entropy(h @ w.T, t),
+    "linear_cross_entropy": lambda h, w, t: llmkernels.linear_cross_entropy(h, w, t),
+    "linear_log_probs": lambda h, w, t: llmkernels.linear_log_probs(h, w, t, return_entropy=True)[1].sum(),
+    "linear_distill_loss": lambda h, w, t: llmkernels.linear_distill_loss(h, w, h.detach(), 2 * w.detach(), t),
+}
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_plain_pytorch_losses_compile_fullgraph_with_the_target_check(loss):
+    """The plain-PyTorch path (float64 takes it on every device, as a machine without a GPU does
+    for every dtype) under fullgraph compile: its target check is an op of the graph, so a bad
+    target still raises ValueError when the compiled code runs."""
+    h = torch.randn(8, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (8,), device=DEVICE)
+    compiled = torch.compile(LOSSES[loss], fullgraph=True, backend=BACKEND)
+    out = compiled(h, w, t)
+    assert rel_err(out, LOSSES[loss](h, w, t)) < 1e-12
+    out.backward()
+    assert h.grad is not None and w.grad is not None
+    bad = t.clone()
+    bad[3] = 77
+    with pytest.raises(ValueError, match=r"target\[3\] = 77 is outside \[0, 50\)"):
+        compiled(h, w, bad)

@@ -28,6 +28,11 @@ REGRESSIONS = [
     ("cross_entropy", 2026112702, 2712, "compile"),
     ("linear_cross_entropy", 2026112702, 3209, "compile"),
     ("vocab_parallel_cross_entropy", 2026112702, 4847, "compile"),  # (4 x H200) eager only: runs plain
+    ("layer_norm", SEED, 265, "plain"),  # residual 1e3 above its spread: the variance shifted by x[0], not h[0]
+    ("rms_norm", SEED, 880, "plain"),  # (GPU only) no weight, 75 rows: the backward launched dW sums with None
+    ("layer_norm", SEED, 5743, "plain"),  # (GPU only) likewise, LayerNorm without weight and bias
+    # (H100) a "bad" unsqueeze_dim of 3 that HF's formula takes: cos [1, 4, 4] at 3 broadcasts to q [3, 4, 4, 4]
+    ("apply_rotary_pos_emb", 20261128, 1235, None),
 ]
 
 

@@ -124,6 +124,16 @@ def test_cached_launch_keys_the_device_and_other_argument_kinds(gpu_launch, monk
     assert kinds(kernel) == ["triton", "triton", "triton", "direct", "direct"]
 
 
+def test_cached_launch_takes_none_for_a_tensor_first(gpu_launch):
+    """None where a kernel takes a pointer (Triton specialises it as a constant) on the first call
+    too: its key must not treat it as a number (``None % 16``)."""
+    kernel, launcher = gpu_launch
+    x = torch.zeros(64)
+    for args in ((None, 64, 1.0), (None, 64, 2.0), (x, 64, 1.0), (None, 64, 1.0), (x, 64, 1.0)):
+        launcher((1,), *args)
+    assert kinds(kernel) == ["triton", "direct", "triton", "direct", "direct"]
+
+
 def test_cached_launch_falls_back_to_triton(gpu_launch, monkeypatch):
     kernel, launcher = gpu_launch
 

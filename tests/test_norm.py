@@ -104,11 +104,16 @@ def test_casting(is_rms, casting, dtype, device):
     check_norm(is_rms, x, w, casting=casting, weight_offset=0.5, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(9, 130), (40, 8, 129)])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_no_weight_and_bias_only(is_rms, device):
-    x = torch.randn(9, 130, device=device, dtype=torch.bfloat16)
+def test_no_weight_and_bias_only(is_rms, shape, device):
+    """Without a weight (and bias) the backward has no dW / dB partials to sum: at 320 rows its
+    programs are several, the plan must not launch the sums with absent pointers."""
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     check_norm(is_rms, x)
-    check_norm(is_rms, x, None, torch.randn(130, device=device))
+    assert all(plan.sums is None for key, plan in BWD_PLANS.items()
+               if key.w_dtype is None and key.options.bias_dtype is None)
+    check_norm(is_rms, x, None, torch.randn(shape[-1], device=device))
 
 
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
@@ -241,6 +246,47 @@ def test_layer_norm_offset_rows(dtype, device):
     check_norm(False, x, w, b)
     if dtype == torch.float32:
         check_norm(False, x, w, b, torch.randn_like(x), prenorm=True)
+
+
+FAR_MEAN_PATHS = {  # every forward path at a width of 100, one at a time
+    "one_pass": None, "tail": FwdConfig(2, 64, 4, tail_n=64), "blocked": FwdConfig(2, 32, 4, one_pass=False),
+    "split": SplitFwdConfig(128, 4, 1, 0), "split_pipelined": SplitFwdConfig(128, 4, 2, 3)}
+
+
+@pytest.mark.parametrize("path", FAR_MEAN_PATHS)
+@pytest.mark.parametrize("offset", [1e3, 1e4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["x", "residual"])
+def test_layer_norm_mean_far_above_spread(where, dtype, offset, path, device):
+    """LayerNorm on rows whose mean is far larger than their spread, the offset in x or in the
+    fused residual, on every forward path: the variance comes from sums shifted by the first
+    element of h = x + residual and y from the shifted values, so y keeps the dtype's precision
+    against the norm of the h the kernel formed. The backward reads the saved fp32 mean, whose
+    rounding (half an ulp of the offset) bounds x_hat's accuracy as in PyTorch's own kernels: the
+    gradients' tolerance adds that term. bf16 rows keep a spread of a few ulps of the offset; their
+    residual stream is fp32 (Triton's interpreter rounds a float32 sum to bf16 otherwise than
+    torch)."""
+    spread = 1e-2 if dtype == torch.float32 else offset / 64
+    big = offset + spread * torch.randn(6, 100, device=device)
+    small = spread * torch.randn(6, 100, device=device)
+    x, res = ((big, small) if where == "x" else (small, big))
+    leaves = [t.to(dtype).requires_grad_() for t in (x, res)] + [torch.randn(100, device=device).requires_grad_()
+                                                                  for _ in range(2)]
+    config = None if FAR_MEAN_PATHS[path] is None else NormConfig(forward=FAR_MEAN_PATHS[path])
+    y, h = lk.layer_norm(leaves[0], *leaves[2:], residual=leaves[1], prenorm=True, config=config,
+                         residual_in_fp32=dtype != torch.float32)
+    assert_close(h, leaves[0].double() + leaves[1].double(), h.dtype, "h")
+    ref_leaves = [t.detach().double().requires_grad_() for t in (h, *leaves[2:])]
+    ref = F.layer_norm(*ref_leaves[:1], (100,), *ref_leaves[1:], eps=1e-5)
+    assert_close(y, ref, dtype, "y")
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(y.dtype))
+    ref.backward(dy)
+    mean_rounding = 2.0**-24 * offset / spread
+    scale = 1 + 4 * mean_rounding / REL_TOL[dtype]
+    for name, leaf, ref_grad in zip(("dx", "dresidual", "dw", "db"), leaves, [ref_leaves[0].grad, *(
+            r.grad for r in ref_leaves)]):
+        assert_close(leaf.grad, ref_grad, dtype, name, scale=scale)
 
 
 # (forward programs per SM, forward stages, backward stages, backward weight kept packed)

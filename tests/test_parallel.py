@@ -32,6 +32,26 @@ def _mesh(world, device):
     return init_device_mesh(device.type, (world,))
 
 
+class _AdamW:
+    """AdamW over DTensor and plain parameters as a user must run it: one optimizer each, since
+    the foreach implementation (PyTorch's default on CUDA; asked for here on the CPU too, where the
+    default is a loop that takes any mix) refuses DTensors and plain tensors in one call."""
+
+    def __init__(self, params):
+        from torch.distributed.tensor import DTensor
+
+        groups = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        self.optimizers = [torch.optim.AdamW(group, lr=1e-3, foreach=True) for group in groups if group]
+
+    def zero_grad(self):
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+
 # -- fused linear losses on a sharded head ---------------------------------------------------------
 def _head_losses(hidden, weight, target, teacher, upstream):
     """The three fused losses of one batch, summed: cross-entropy (ignore_index rows, label
@@ -58,7 +78,7 @@ def _sharded_head_rank(rank, world, device, ckpt):
                         (torch.randn(m, generator=g) + 2).to(device)))
 
     def train(weight, proj, teacher_w, rows, dtype, average):
-        opt = torch.optim.AdamW([weight, proj], lr=1e-3)
+        opt = _AdamW([weight, proj])
         losses = []
         for x, t, tx, adv in batches:
             opt.zero_grad()
@@ -165,10 +185,11 @@ def _vocab_parallel_rank(rank, world, device, dtype):
         transposed = x[:, cols].t().contiguous().t()
         _check_shard(x, target, cols, transposed, dtype, options, upstream, "transposed", vocab_start=cols.start,
                      vocab_size=v, group=dist.group.WORLD)
-    # uneven shards: 29 + 19 columns
+    # uneven shards of 48 columns (2 ranks: 27 + 21)
     x = torch.randn(m, 48, generator=g).to(device, dtype)
     target = torch.randint(0, 48, (m,), generator=g).to(device)
-    cols = slice(0, 29) if rank == 0 else slice(29, 48)
+    cuts = [0, *(48 * i // world + (3 if i % 2 else -3) for i in range(1, world)), 48]
+    cols = slice(cuts[rank], cuts[rank + 1])
     up = _upstream("mean", m, g, device)
     _check_shard(x, target, cols, x[:, cols].clone(), dtype, {}, up, "uneven", vocab_start=cols.start, vocab_size=48)
 
@@ -252,7 +273,7 @@ def _linear_rank(rank, world, device, reduction, chunk_size):
     options = dict(z_loss=1e-3, label_smoothing=0.1, reduction=reduction)
 
     def train(params, loss_fn, **layout):
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt = _AdamW(params)
         losses = []
         for t in batches:
             opt.zero_grad()
@@ -289,7 +310,8 @@ def test_vocab_parallel_linear_cross_entropy_trains_as_one_process(reduction, ch
 def _contract_rank(rank, world, device):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 20, generator=g).to(device)
-    target = torch.tensor([0, 39, 5, -100, 21, 30], device=device)
+    v = 20 * world
+    target = torch.tensor([0, v - 1, 5, -100, 21, 30], device=device)
     local = x.clone()
     if rank == 0:
         local[2, 3] = math.nan  # in rank 0's shard: row 2 is NaN on every rank, the others are not
@@ -298,8 +320,8 @@ def _contract_rank(rank, world, device):
     assert rows[2].isnan() and rows[[0, 1, 4, 5]].isfinite().all() and rows[3] == 0
     assert local.grad[2].isnan().all() and local.grad[[0, 1, 3, 4, 5]].isfinite().all()
     assert (local.grad[3] == 0).all()
-    bad = torch.tensor([0, 40, 5, -100, 21, 30], device=device)  # 40 >= V = 40
-    with pytest.raises(ValueError, match=r"target\[1\] = 40"):
+    bad = torch.tensor([0, v, 5, -100, 21, 30], device=device)  # V is out of range
+    with pytest.raises(ValueError, match=rf"target\[1\] = {v}"):
         llmkernels.vocab_parallel_cross_entropy(x, bad)
     nan_row = llmkernels.vocab_parallel_cross_entropy(x, bad, reduction="none", check_targets=False)
     assert nan_row[1].isnan() and nan_row[[0, 2, 4, 5]].isfinite().all()
@@ -307,7 +329,7 @@ def _contract_rank(rank, world, device):
                                 (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
                                 (dict(vocab_start=1.0), TypeError, "vocab_start"),
                                 (dict(vocab_size=-3), ValueError, "vocab_size"),
-                                (dict(vocab_start=30), ValueError, "vocab_start"),
+                                (dict(vocab_start=v - 10), ValueError, "vocab_start"),
                                 (dict(ignore_index=None), TypeError, "ignore_index")):
         with pytest.raises(error, match=name):
             llmkernels.vocab_parallel_cross_entropy(x, target, **kwargs)

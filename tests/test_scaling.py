@@ -1,11 +1,14 @@
 """Scaling-law experiments (llmkernels.scaling): the model on both backends, the plan, the design and
-its GPU-time estimate, the data, the fits on synthetic data of known exponents (fresh noise each
-run), the report from any subset of runs, resuming, and the whole pipeline at tiny sizes, in one
-process and over two gloo ranks (CPU; the kernels through the interpreter)."""
+its GPU-time estimate, the data, training and resuming, and the whole pipeline at tiny sizes: in
+one process and over several training processes, cut short and resumed from its archive, the
+published CPU recipe at a smaller size (CPU; the kernels through the interpreter). The fits, the
+gate and the report: test_scaling_fits.py."""
 import email
+import importlib.util
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -17,7 +20,8 @@ import torch
 from llmkernels import cli
 from llmkernels.scaling import data as data_mod
 from llmkernels.scaling import design as design_mod
-from llmkernels.scaling import fit, intervals, plan, report, runner, surface, sweep
+from llmkernels.scaling import fit, plan, report, runner, sweep
+from llmkernels.scaling import train as train_mod
 from llmkernels.scaling.model import GPT, ops_run
 from llmkernels.scaling.plan import ModelConfig
 from llmkernels.scaling.train import TimeUp, TrainConfig, eval_windows, lr_at, train_run
@@ -25,6 +29,7 @@ from llmkernels.scaling.train import TimeUp, TrainConfig, eval_windows, lr_at, t
 # A tiny design: the standard library's email package (~0.4 MB of documents), 32-token sequences,
 # widths 16-48 in heads of 16, four budgets (two lower, two upper), batch 4 then 8.
 EMAIL = os.path.dirname(email.__file__)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--data", EMAIL, "--max-bytes", "200000", "--seq-len", "32", "--head-dim", "16", "--ladder",
         "1x16,1x32,2x32,2x48,3x48", "--budgets", "1.5e9,6e9,4", "--lower-budgets", "2", "--sizes-per-budget", "3",
         "--span", "2", "--min-tokens-per-param", "0", "--batch-rule", "3e9:4,8", "--eval-tokens", "1024",
@@ -128,10 +133,13 @@ def test_counts_and_default_design_meet_the_issue():
     assert len(lr_cs) == 2 and len({hp.batch(c) for c in lr_cs}) == 2 and set(lr_cs) <= set(cs[:d.lower_budgets])
     assert all(len({r.model.name for r in lr_runs if r.budget == c}) == 3 for c in lr_cs)
     assert len({r.budget for r in lower + upper if r.stage == "seed"}) == 2
+    assert {r.seed for r in lower + upper if r.stage == "seed"} == {design_mod.SEED_CHECK_OFFSET}
     batch = [r for r in upper if r.stage == "batch"]
     assert len(batch) == 3 and all(r.budget == cs[-1] and r.batch_size == hp.batch(cs[-1]) // 2 for r in batch)
     assert all(r.beta2 == 0.99 and 0.02 <= r.warmup_steps / r.steps <= 0.05 for r in lr_runs + lower + upper)
-    assert design_mod.estimate(lr_runs + lower + upper, pieces=3) <= 20 * 60
+    stages = [lr_runs, lower, upper]
+    assert design_mod.estimate(stages, pieces=3) <= 20 * 60  # one GPU
+    assert design_mod.estimate(stages, pieces=1, workers=4) <= 6 * 60  # four GPUs, one call
     assert len({r.id for r in lr_runs + lower + upper}) == len(lr_runs + lower + upper)
 
 
@@ -166,181 +174,6 @@ def test_step_cost_matches_the_committed_h100_runs():
         m = ModelConfig(**r["model"])
         ratio = plan.H100.step_seconds(m, r["train"]["batch_size"]) / (r["train_seconds"] / r["steps"])
         assert 0.9 < ratio < 1.1, (r["id"], ratio)
-
-
-# --------------------------------------------------------------------------------------------
-# fits on synthetic data of known exponents
-# --------------------------------------------------------------------------------------------
-TRUTH = {"E": 0.5, "A": 400.0, "B": 2000.0, "alpha": 0.34, "beta": 0.36}
-A_TRUE = TRUTH["beta"] / (TRUTH["alpha"] + TRUTH["beta"])
-
-
-def synthetic_runs(rng, noise: float, truth=TRUTH, budgets=8, sizes=9) -> list[dict]:
-    """IsoFLOP runs drawn from ``L = E + A/N^alpha + B/D^beta`` (C = 6ND, 100x of budgets, sizes 3x each
-    side of the optimum), with log-normal noise, each with a held-out curve (the same law at
-    fractions of D, a little higher: not annealed)."""
-    e, a, b, al, be = (truth[k] for k in ("E", "A", "B", "alpha", "beta"))
-    g = (al * a / (be * b)) ** (1 / (al + be))
-    runs = []
-    for c in np.logspace(14, 16, budgets):
-        n_opt = g * (c / 6) ** (be / (al + be))
-        for k in np.linspace(-1, 1, sizes):
-            n = n_opt * 3.0**k
-            d = c / (6 * n)
-            loss = (e + a * n**-al + b * d**-be) * math.exp(rng.normal(0, noise))
-            curve = [{"compute": c * f, "tokens": d * f, "val_loss": e + a * n**-al + b * (d * f) ** -be + 0.01}
-                     for f in (0.1, 0.3, 0.6)]
-            runs.append({"id": f"sweep-{c:.3g}-{n:.4g}", "stage": "sweep", "budget": float(c), "params": n,
-                         "non_embedding_params": 0.9 * n, "tokens": d, "compute": float(c), "val_loss": loss,
-                         "name": f"N{n:.4g}", "curve": curve, "steps": 1000, "batch": 16})
-    return runs
-
-
-def _cols(runs):
-    return [r["params"] for r in runs], [r["tokens"] for r in runs], [r["val_loss"] for r in runs]
-
-
-def test_fits_recover_known_exponents_and_e(seed):
-    """Approaches 1-3 recover a, b, alpha, beta and E from noisy losses; approach 2's minima carry
-    standard errors and its weighted fit's error covers the truth; the profile bounds E on both sides."""
-    rng = np.random.default_rng(seed)
-    runs = synthetic_runs(rng, noise=0.003)
-    a2 = fit.approach2(runs, noise_sd=0.003)
-    assert a2["budgets_used"] == 8 and a2["a"] == pytest.approx(A_TRUE, abs=0.03), seed
-    assert a2["b"] == pytest.approx(1 - A_TRUE, abs=0.03) and 0 < a2["a_se"] < 0.03, (seed, a2["a_se"])
-    assert all(o["x_se"] and o["x_se"] < 0.2 for o in a2["optima"]) and a2["fit_n"]["weighted"]
-    a3 = surface.approach3(*_cols(runs))
-    assert a3["ok"] and a3["alpha"] == pytest.approx(TRUTH["alpha"], abs=0.03), (seed, a3)
-    assert a3["beta"] == pytest.approx(TRUTH["beta"], abs=0.03) and a3["E"] == pytest.approx(TRUTH["E"], abs=0.2)
-    assert a3["a"] == pytest.approx(A_TRUE, abs=0.015) and a3["r2"] > 0.99 and not a3["at_bound"]
-    prof = surface.profile_e(*_cols(runs), a3)
-    assert prof["status"] == "interval" and prof["lo"] - 0.1 <= TRUTH["E"] <= prof["hi"] + 0.1, (seed, prof)
-    assert "identified" in surface.describe_e(prof)
-    a1 = fit.approach1(runs)
-    assert a1["points"] >= 200 and a1["sizes_on_envelope"] >= 3 and a1["a"] == pytest.approx(A_TRUE, abs=0.1)
-    ex = intervals.extrapolation(runs, starts=[a3["theta"]])
-    # (|error| over 40 draws at this noise: median 0.006, 90th percentile 0.017, largest 0.024; 0.02
-    # failed one draw in 20)
-    assert ex["ok"] and abs(ex["approach3_error"]) < 0.04 and abs(ex["loss_law_error"]) < 0.1
-    front = fit.frontier(runs)
-    assert all(p["best"] <= q["best"] for p, q in zip(front[1:], front))  # monotone
-
-
-def test_e_at_zero_is_reported_as_an_upper_bound(seed):
-    """With E = 0 the 95% profile set reaches (or nearly reaches) 0, and the report calls it an upper
-    bound exactly when it reaches 0. (The profile's chi-square level is a little optimistic for this
-    five-parameter surface: a few percent of draws exclude E = 0 narrowly.)"""
-    rng = np.random.default_rng(seed)
-    runs = synthetic_runs(rng, noise=0.003, truth={**TRUTH, "E": 0.0})
-    a3 = surface.approach3(*_cols(runs))
-    prof = surface.profile_e(*_cols(runs), a3)
-    assert prof["status"] in ("upper bound", "interval") and prof["lo"] < 0.3 and prof["hi"] > 0, (seed, prof)
-    assert ("upper bound only" in surface.describe_e(prof)) == (prof["status"] == "upper bound")
-
-
-def test_committed_h100_runs_refit():
-    """The committed 2026-11-25 H100 sweep (real data), re-fitted: E is not identified (an upper bound,
-    said so), the bootstrap no longer pins E at 0, and the quality gate fails (its batch-per-run
-    artefact: residuals several times the seed spread)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "scaling-h100-2026-11-25",
-                        "report.json")
-    runs = json.load(open(path))["runs"]
-    sweep_ = [r for r in runs if r["stage"] == "sweep"]
-    a3 = surface.approach3(*_cols(sweep_))
-    prof = surface.profile_e(*_cols(sweep_), a3, points=20)
-    assert a3["ok"] and "log E" in a3["at_bound"] and prof["status"] == "upper bound" and 0.1 < prof["hi"] < 0.5
-    boot = intervals.bootstrap(sweep_, n=6, approach3_fit=a3)
-    assert boot["a3_E"]["hi"] > 0.01, boot["a3_E"]
-    seeds = report._spread(report._pairs(sweep_, [r for r in runs if r["stage"] == "seed"]))
-    gate = intervals.quality_gate(sweep_, a3, seeds)
-    assert gate["ok"] is False and gate["ratio"] > 4
-
-
-def test_bootstrap_moves_e_when_the_full_fit_pinned_it(seed):
-    """Issue 33's bug: the full fit had log E = -1483, where the gradient in E is exactly zero, and
-    every resample started there, so E's interval was [0, 0]. The resamples now also start from the
-    grid's E > 0: with a true E of 0.5 the interval is not degenerate and covers it."""
-    rng = np.random.default_rng(seed)
-    runs = synthetic_runs(rng, noise=0.003, budgets=6, sizes=7)
-    a3 = surface.approach3(*_cols(runs))
-    pinned = {**a3, "theta": [*a3["theta"][:2], -1483.0, *a3["theta"][3:]]}
-    boot = intervals.bootstrap(runs, n=12, seed=seed, approach3_fit=pinned)
-    e = boot["a3_E"]
-    assert e["samples"] == 12 and e["hi"] - e["lo"] > 0.01 and abs(e["median"] - TRUTH["E"]) < 0.2, (seed, e)
-    for key in ("a2_a", "a3_a"):
-        assert boot[key]["lo"] - 0.02 <= A_TRUE <= boot[key]["hi"] + 0.02, (seed, key, boot[key])
-
-
-def test_quality_gate_passes_noise_and_fails_an_artefact(seed):
-    """Residuals at the seed noise pass the gate; a batch-like zig-zag of 5% between neighbouring sizes
-    (issue 33's artefact) fails it, naming the runs."""
-    rng = np.random.default_rng(seed)
-    noise = 0.01
-    seeds = {"per_run_sd_log": noise}
-    runs = synthetic_runs(rng, noise=noise)
-    gate = intervals.quality_gate(runs, surface.approach3(*_cols(runs)), seeds)
-    assert gate["ok"] is True and gate["ratio"] < 2, (seed, gate)
-    zigzag = [{**r, "val_loss": r["val_loss"] * (1.05 if i % 2 else 1.0)} for i, r in enumerate(runs)]
-    gate = intervals.quality_gate(zigzag, surface.approach3(*_cols(zigzag)), seeds)
-    assert gate["ok"] is False and "structure, not noise" in gate["reason"] and len(gate["largest"]) == 5
-    assert intervals.quality_gate(runs, surface.approach3(*_cols(runs)), None)["ok"] is None
-
-
-def test_fit_quality_warns_when_exactly_determined():
-    line = fit.power_law([1.0, 2.0], [3.0, 4.0])
-    assert line["dof"] == 0 and line["r2"] is None and "exactly determined" in line["warning"]
-    par = fit.parabola_min([0.0, 1.0, 2.0], [2.0, 1.0, 2.0])
-    assert par["ok"] and par["x_min"] == pytest.approx(1.0) and par["r2"] is None and par["warning"]
-    assert par["x_se"] is None  # no residual scatter and no noise given: no error
-    assert fit.parabola_min([0.0, 1.0, 2.0], [2.0, 1.0, 2.0], noise_sd=0.01)["x_se"] > 0
-    assert not fit.parabola_min([0.0, 1.0, 2.0], [1.0, 2.0, 1.0])["ok"]  # no minimum
-    good = fit.power_law([1.0, 2.0, 4.0, 8.0], [2.0, 4.0, 8.0, 16.5])
-    assert good["dof"] == 2 and good["r2"] > 0.99 and good["warning"] is None
-
-
-LR_MODELS = [(ModelConfig(320, 2, 64), 64), (ModelConfig(320, 4, 128), 16), (ModelConfig(320, 6, 256), 8)]
-
-
-def _lr_runs(rng, mults, c=3e-3, gamma=0.3):
-    """Losses parabolic in log lr around ``c·(N/1e6)^-gamma·(B/2^15)^0.5`` (an offset drawn fresh)."""
-    runs = []
-    for m, batch in LR_MODELS:
-        n = m.total_params()
-        best = c * (n / 1e6) ** -gamma * (batch * 32 / 2**15) ** 0.5
-        off = rng.uniform(0.8, 1.25)
-        for mult in mults:
-            lr = best * off * mult
-            runs.append({"budget": 1e14, "name": m.name, "params": n, "lr_mult": mult,
-                         "val_loss": 2.0 + 0.1 * math.log(lr / best) ** 2, "train": {"lr": lr, "batch_size": batch},
-                         "model": {"seq_len": 32}})
-    return runs
-
-
-def test_fit_lr_rule_recovers_the_rule_and_extends_at_an_edge(seed):
-    rng = np.random.default_rng(seed)
-    rule = fit.fit_lr_rule(_lr_runs(rng, (0.25, 0.5, 1.0, 2.0, 4.0)), kappa=0.5)
-    assert rule["c"] == pytest.approx(3e-3, rel=0.02) and rule["gamma"] == pytest.approx(0.3, abs=0.01)
-    assert rule["edges"] == 0 and len(rule["groups"]) == 3 and set(rule["by_batch"]) == {"2048", "512", "256"}
-    d, hp = design_mod.Design(), plan.HParams()
-    planned = [d.lr_run(1e14, m, mult, hp) for m, _ in LR_MODELS for mult in (0.25, 0.5, 1.0, 2.0, 4.0)]
-    assert d.lr_extension(rule["groups"], planned, hp) == []
-    # every rate tried too low: each group's best is its highest rate; the design adds one beyond it
-    low = fit.fit_lr_rule(_lr_runs(rng, (0.05, 0.1, 0.2)), kappa=0.5)
-    assert [g["edge"] for g in low["groups"]] == ["high"] * 3 and low["edges"] == 3
-    more = d.lr_extension(low["groups"], planned, hp)
-    assert sorted(r.model.name for r in more) == sorted(m.name for m, _ in LR_MODELS)
-    assert all(r.lr_mult == pytest.approx(0.4) and r.stage == "lr" for r in more)
-    # a diverged run (no loss) counts as the worst rate, not the best
-    runs = _lr_runs(rng, (0.25, 0.5, 1.0, 2.0, 4.0))
-    runs[4]["val_loss"] = None
-    assert fit.fit_lr_rule(runs, kappa=0.5)["groups"][0]["edge"] is None
-    # a stalled neighbour (the H200's L6-W256: +0.7 nats at 2x its best rate) stays out of the parabola,
-    # which would otherwise put the optimum beyond it: the best rate tried is taken, inside the range
-    runs = _lr_runs(rng, (0.25, 0.5, 1.0, 2.0, 4.0))[:5]
-    runs[3]["val_loss"] += fit.UNSTABLE_MARGIN + 0.5
-    group = fit.fit_lr_rule(runs, kappa=0.5)["groups"][0]
-    assert 2.0 in group["unstable"] and 1.0 not in group["unstable"] and group["edge"] is None
-    assert group["lr_opt"] == pytest.approx(runs[2]["train"]["lr"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +269,7 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     assert stages.count("lr") >= 3 and len({r["budget"] for r in runs if r["stage"] == "sweep"}) == 4
     assert all(set(report.RUN_FIELDS) <= set(r) for r in runs)
     assert {r["batch"] for r in runs if r["stage"] == "sweep"} == {4, 8}
-    for key in ("approach1", "approach2", "approach3", "e_profile", "gate", "bootstrap", "extrapolation", "lr_rule"):
+    for key in ("approach1", "approach2", "approach3", "e_profile", "gate", "intervals", "extrapolation", "lr_rule"):
         assert key in an and an[key] is not None, key
     assert an["gate"]["ok"] in (True, False) and an["seed_spread"]["n"] == 3 and an["batch_check"]["n"] == 1
     assert json.loads((tmp_path / "centres.json").read_text())["runs"]
@@ -445,7 +278,6 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     assert set(an["figures"]) | set(an["figures_skipped"]) == {"isoflop.png", "optimal.png", "lnd_fit.png",
                                                                "curves.png", "lr_sweep.png"}
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size == 0]
-    assert not (tmp_path / "claims").exists() and not (tmp_path / "data-error.txt").exists()
     stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")}
     archive = tmp_path.parent / f"{tmp_path.name}-state.tar.gz"
     assert sweep.main([*args, "--bootstrap", "0", "--archive", str(archive)]) == 0
@@ -463,31 +295,6 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     assert len(json.loads((tmp_path / "report.json").read_text())["runs"]) == len(runs) - 1
 
 
-def test_report_from_any_subset_of_runs(tmp_path, seed):
-    """Any subset of runs gives a report: figures that cannot be drawn are skipped with a line why (the
-    crash of issue 33: 'Data cannot be log-scaled' when no budget had an optimum), nothing empty."""
-    rng = np.random.default_rng(seed)
-    runs = [{**r, "train": {"batch_size": 16, "lr": 1e-3}, "backend": "kernels", "seed": 0, "epochs": 0.1,
-             "train_seconds": 1.0, "wall_seconds": 1.0, "tokens_per_s": 1.0, "mfu": None}
-            for r in synthetic_runs(rng, noise=0.01, budgets=4, sizes=5)]
-    meta = {"val_tokens_per_byte": 1.0, "train_documents": 1, "val_documents": 1, "duplicates_dropped": 0,
-            "skipped_not_text": 0, "train_bytes": 1, "val_bytes": 1, "train_tokens": 1, "val_tokens": 1,
-            "config": {"tokenizer": "byte"}, "vocab_size": 257}
-    info = {"device": "cpu", "date": "today", "command": "test", "torch": "", "triton": "", "python": "", "world_size": 1}
-    picks = [runs[:1], runs[:3], [r for r in runs if r["params"] == runs[0]["params"]],
-             [runs[i] for i in sorted(rng.choice(len(runs), 7, replace=False))]]
-    for k, subset in enumerate(picks):
-        out = tmp_path / str(k)
-        out.mkdir()
-        an = report.write(info, subset, None, meta, out, n_boot=3)
-        assert len(json.loads((out / "report.json").read_text())["runs"]) == len(subset)
-        md = (out / "report.md").read_text()
-        assert all(f"`{name}`: not drawn: " in md for name in an["figures_skipped"]), md
-        assert not [p for p in out.iterdir() if p.stat().st_size == 0]
-        if k == 0:
-            assert "optimal.png" in an["figures_skipped"] and "## Quality gate: not evaluated" in md
-
-
 def test_missing_extras_stop_before_any_data(tmp_path, monkeypatch, capsys):
     real = sweep.importlib.util.find_spec
     monkeypatch.setattr(sweep.importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else real(name, *a))
@@ -495,29 +302,14 @@ def test_missing_extras_stop_before_any_data(tmp_path, monkeypatch, capsys):
     assert 'pip install "llmkernels[scaling]"' in capsys.readouterr().out and not (tmp_path / "out").exists()
 
 
-def test_claim_order_and_claims_split_runs_between_ranks(tmp_path):
-    """Every rank walks the runs in one order (longest first; under a time limit smallest budget
-    first) and takes each unclaimed one: two ranks interleaved share the runs with none twice."""
+def test_run_order():
+    """Runs are handed out longest first (the processes end together), or under a time limit smallest
+    budget first (each call completes whole budgets)."""
     d, hp = design_mod.Design(), plan.HParams()
     runs = d.lower(plan.ladder_models(320), plan.LRRule(), hp)
-    order = runner.claim_order(runs, timed=False)
+    order = runner.run_order(runs, timed=False)
     assert [plan.H100.run_seconds(r) for r in order] == sorted((plan.H100.run_seconds(r) for r in runs), reverse=True)
-    timed = runner.claim_order(runs, timed=True)
-    assert [r.budget for r in timed] == sorted(r.budget for r in runs)
-
-    class Rank:  # the claim of a Session, without a device or data
-        claim = runner.Session.claim
-
-        def __init__(self, rank):
-            self.rank, self.claims, self.took = rank, tmp_path, []
-    ranks = [Rank(0), Rank(1)]
-    for i, run in enumerate(order * 2):  # each rank passes every run once, alternately
-        rank = ranks[i % 2]
-        if rank.claim(run.id):
-            rank.took.append(run.id)
-    assert sorted(ranks[0].took + ranks[1].took) == sorted(r.id for r in runs)
-    assert ranks[0].took and ranks[1].took and not set(ranks[0].took) & set(ranks[1].took)
-    assert all((tmp_path / r).read_text() in ("rank 0\n", "rank 1\n") for r in ranks[0].took + ranks[1].took)
+    assert [r.budget for r in runner.run_order(runs, timed=True)] == sorted(r.budget for r in runs)
 
 
 def test_cli_help_and_list_build_nothing(tmp_path, capsys):
@@ -534,29 +326,6 @@ def test_cli_help_and_list_build_nothing(tmp_path, capsys):
     assert "IsoFLOP runs" in lines[-1] and "min on one H100" in lines[-1]
     with pytest.raises(SystemExit):
         sweep.main(["--out", str(out_dir), "--list", "--batch-rule", "16,1e14:32"])
-
-
-@pytest.mark.slow
-def test_torchrun_spreads_runs_over_gloo_ranks(tmp_path):
-    """Two gloo processes on CPU claim whole runs (the lower and upper budgets, a second seed and the
-    kernels backend at one budget); rank 0 merges them into one report. Without Triton's interpreter
-    the kernels fall back to the reference ops, and the runs say so."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "llmkernels.scaling", "--out", str(tmp_path), *TINY, "--lr", "3e-3", "--seed-budgets", "0",
-           "--backend-check", "0", "--batch-check", "0", "--bootstrap", "0", "--backend", "reference"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    trained = {rank: proc.stdout.count(f"[rank {rank}] [lower") + proc.stdout.count(f"[rank {rank}] [upper")
-               for rank in (0, 1)}
-    assert trained[0] >= 1 and trained[1] >= 1 and sum(trained.values()) == 18, trained
-    report_ = json.loads((tmp_path / "report.json").read_text())
-    assert report_["info"]["world_size"] == 2 and len(report_["runs"]) == 18
-    fallback = [r["ops"]["linear_cross_entropy"] for r in report_["runs"] if r["backend"] == "kernels"]
-    assert len(fallback) == 3 and all(op.startswith("reference (kernels fall back") for op in fallback)
-    an = report_["analysis"]
-    assert an["seed_spread"]["n"] == 3 and an["backend_check"]["n"] == 3
-    assert an["backend_check"]["max_abs_diff"] < 0.01  # the same functions in fp32
 
 
 def _lower_runs(rng, exponent: float, noise: float, budgets=(3e13, 5.8e13, 1.1e14, 2.2e14, 4.2e14)) -> list[dict]:
@@ -613,3 +382,155 @@ def test_qk_norm_model_counts_and_old_keys(device):
         losses[backend] = model(x[:, :-1], x[:, 1:])
         losses[backend].backward()
     assert losses["kernels"].item() == pytest.approx(losses["reference"].item(), rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# several training processes, archives, replicates, the README's recipe
+# --------------------------------------------------------------------------------------------
+# Two budgets of two sizes, a second seed at the first, half the batch at one size of the second: seven
+# runs, too few for the slow fits (scheduling, archives and seeds only).
+MINI = ["--data", EMAIL, "--max-bytes", "200000", "--seq-len", "32", "--head-dim", "16", "--ladder", "1x16,1x32,2x32",
+        "--budgets", "5e8,1e9,2", "--sizes-per-budget", "2", "--span", "2", "--min-tokens-per-param", "0",
+        "--batch-rule", "4", "--eval-tokens", "1024", "--curve-points", "2", "--curve-eval-tokens", "256",
+        "--bootstrap", "0", "--no-progress", "--lr", "3e-3", "--seed-budgets", "0", "--batch-check", "1",
+        "--backend", "reference"]
+MINI_RUNS = 7
+
+
+def _runs(report_dir) -> dict:
+    return {r["id"]: r for r in json.loads((report_dir / "report.json").read_text())["runs"]}
+
+
+def test_workers_share_the_runs_and_give_one_process_results(tmp_path):
+    """Three CPU training processes take the runs of each stage between them; the plan (every run id)
+    and every loss, bit for bit, are those of one process."""
+    assert sweep.main(["--out", str(tmp_path / "one"), *MINI]) == 0
+    assert sweep.main(["--out", str(tmp_path / "three"), "--workers", "3", *MINI]) == 0
+    one, three = _runs(tmp_path / "one"), _runs(tmp_path / "three")
+    assert one.keys() == three.keys() and len(one) == MINI_RUNS
+    assert [one[k]["val_loss"] for k in one] == [three[k]["val_loss"] for k in one]
+    assert len({r["process"] for r in three.values()}) >= 2 and len({r["process"] for r in one.values()}) == 1
+    rep = json.loads((tmp_path / "three" / "report.json").read_text())
+    assert rep["info"]["workers"] == 3 and "3 training process(es)" in (tmp_path / "three" / "report.md").read_text()
+
+
+def test_archive_is_packed_after_every_finished_run(tmp_path, monkeypatch):
+    """--archive is rewritten after each run that finishes, so a call killed at any moment (SIGKILL:
+    no ``finally``) loses only the runs in flight."""
+    counts = []
+    real = runner.pack
+
+    def spy(out, archive):
+        n = real(out, archive)
+        with tarfile.open(archive) as tar:
+            counts.append(sum(m.startswith("runs/") for m in tar.getnames()))
+        return n
+    monkeypatch.setattr(runner, "pack", spy)
+    archive = tmp_path / "state.tar.gz"
+    assert sweep.main(["--out", str(tmp_path / "out"), *MINI, "--archive", str(archive)]) == 0
+    total = len(list((tmp_path / "out" / "runs").glob("*.json")))
+    assert counts[:total] == list(range(1, total + 1)) and counts[-1] == total
+
+
+@pytest.mark.slow
+def test_terminated_call_keeps_its_runs_and_a_fresh_machine_resumes(tmp_path):
+    """A call on two training processes stopped by SIGTERM packs what finished (exit 143); a call on a
+    fresh folder restores the archive and trains only the runs that were missing."""
+    archive = tmp_path / "state.tar.gz"
+    env = {k: v for k, v in os.environ.items()} | {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "llmkernels.scaling", "--out", str(tmp_path / "a"), "--workers", "2", *MINI,
+           "--archive", str(archive)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while proc.poll() is None and not (archive.exists() and _archived(archive)):
+            proc.stdout.readline()  # the call's log; each finished run packs the archive
+        proc.terminate()
+        log = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + 15, log
+    kept = _archived(archive)
+    assert kept and kept == {p.name for p in (tmp_path / "a" / "runs").glob("*.json")}, log
+    out = tmp_path / "b"
+    assert sweep.main(["--out", str(out), *MINI, "--restore", str(archive)]) == 0
+    runs = _runs(out)
+    assert len(runs) == MINI_RUNS and {f"{k}.json" for k in runs} >= kept
+    assert sum(r["process"] == os.getpid() for r in runs.values()) == MINI_RUNS - len(kept)  # trained here
+
+
+def _archived(archive) -> set:
+    try:
+        with tarfile.open(archive) as tar:
+            return {m.split("/", 1)[1] for m in tar.getnames() if m.startswith("runs/") and m.endswith(".json")}
+    except (OSError, tarfile.TarError):
+        return set()
+
+
+def test_seed_gives_an_independent_replicate():
+    """--seed changes every run's initialisation and data order (unrelated streams), and a replicate
+    with a nearby seed shares no run with the first sweep or its seed check."""
+    names = ["L3-W64", "L8-W512"]
+    seeds = {(s, n, k): train_mod.run_seed(s, n, k) for s in (0, 1, 2) for n in names for k in ("init", "data")}
+    assert len(set(seeds.values())) == len(seeds)
+    models, hp, rule = plan.ladder_models(320), plan.HParams(), plan.LRRule()
+    ids = {}
+    for s in (0, 1):
+        d = design_mod.Design(seed=s)
+        ids[s] = {r.id for r in d.lr_sweep(models, hp) + d.lower(models, rule, hp) + d.upper(models, rule, hp, None)}
+    assert not ids[0] & ids[1]
+    cfg = ModelConfig(vocab_size=64, n_layers=1, width=16, seq_len=8, head_dim=8)
+    tokens = torch.randint(0, 64, (4096,))
+    starts = [train_mod.Stepper(GPT(cfg, "reference"), TrainConfig(steps=3, batch_size=2, lr=1e-3, seed=s), tokens,
+                                device=torch.device("cpu"), amp=train_mod.autocast_for(torch.device("cpu"), torch.float32),
+                                capture=False).starts for s in (0, 1)]
+    assert not torch.equal(*starts)
+
+
+def _cpu_recipe() -> list[str]:
+    """The published CPU recipe (README.md, or benchmarks/RESULTS.md where the README links it): the
+    arguments of its ``llmkernels scaling --device cpu ...`` command."""
+    for doc in ("README.md", os.path.join("benchmarks", "RESULTS.md")):
+        text = open(os.path.join(ROOT, doc)).read()
+        if "llmkernels scaling --device cpu" in text:
+            start = text.index("llmkernels scaling --device cpu")
+            return shlex.split(text[start:text.index("```", start)].replace("\\\n", " "))[2:]
+    raise AssertionError("no CPU recipe (llmkernels scaling --device cpu ...) in README.md or benchmarks/RESULTS.md")
+
+
+def _set(args: list[str], flag: str, value: str) -> list[str]:
+    if flag in args:
+        i = args.index(flag)
+        return args[:i + 1] + [value] + args[i + 2:]
+    return [*args, flag, value]
+
+
+@pytest.mark.slow
+def test_cpu_recipe_runs_at_a_smaller_size(tmp_path):
+    """The published CPU recipe as written, on fewer bytes of text (the email package), budgets ten
+    times smaller, fewer held-out tokens and resamples: it completes and writes the whole report."""
+    args = _cpu_recipe()
+    assert args[:2] == ["--device", "cpu"] and "--out" in args, args
+    lo, hi, count = args[args.index("--budgets") + 1].split(",")
+    for flag, value in (("--out", str(tmp_path)), ("--data", EMAIL), ("--max-bytes", "300000"),
+                        ("--budgets", f"{float(lo) / 10:g},{float(hi) / 10:g},{count}"), ("--eval-tokens", "4096"),
+                        ("--curve-eval-tokens", "1024"), ("--bootstrap", "10")):
+        args = _set(args, flag, value)
+    assert sweep.main([*args, "--no-progress", "--backend", "reference"]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Result" in md and "## Quality gate:" in md and "## Against the literature" in md
+
+
+def test_step_profile_sorts_kernels_into_families():
+    """benchmarks/scaling_check.py --profile sums a step's kernels by family, by their names."""
+    spec = importlib.util.spec_from_file_location("scaling_check", os.path.join(ROOT, "benchmarks", "scaling_check.py"))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+             "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul", "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+             "norm_fwd_kernel": "norm", "norm_bwd_split_kernel": "norm", "_rope_kernel": "rope", "_glu_bwd_kernel": "glu",
+             "ce_fused_split_kernel": "head + loss", "void at::native::reduce_kernel<512, 1>": "optimizer + clip",
+             "void at::native::(anonymous namespace)::fused_adamw_kernel": "optimizer + clip",
+             "embedding_backward_feature_kernel": "embedding",
+             "void at::native::vectorized_elementwise_kernel<4, CopyFunctor>": "elementwise (copies, casts, fills)",
+             "some_new_kernel": "other"}
+    assert {k: check.family(k) for k in names} == names

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmkernels import cli
+from llmkernels.tune import FAMILIES
 from llmkernels.ops import _device
 from llmkernels.ops.configs import cross_entropy as ce
 from llmkernels.ops.norm import NormKey, backward_config, forward_config
@@ -47,6 +48,16 @@ def test_tiny_tune_writes_checked_configs_and_resumes(tmp_path, capsys):
         chosen = _device.from_record(state["searches"][tuned_name(key, direction)]["chosen"], CONFIGS)
         assert choose(key._replace(sms=4, m=4096), tuned) == chosen
     assert isinstance(tuned.config(ce.tuned_name(9000), ce.RECORDS), ce.CrossEntropyConfig)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_a_candidate(family, tmp_path):
+    """Each tuned family's search calls its launcher the way the GPU search does: one candidate
+    (the heuristic) at the tiny size must pass its float64 check."""
+    _, state = _tune(tmp_path, "--ops", family, "--widths", "256", "--norm-ops", "rmsnorm", "--limit", "1")
+    assert state["searches"]
+    for name, search in state["searches"].items():
+        assert [tried.get("failed") for tried in search["candidates"]] == [None], name
 
 
 def test_budget_stops_between_tasks(tmp_path, capsys):

@@ -38,10 +38,8 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
-import warnings
 
 from . import report
 from .registry import MODES, BenchOp, Provider, Unavailable, ops, register
@@ -166,21 +164,20 @@ def main(argv=None) -> int:
     if args.out and os.path.exists(os.path.join(args.out, report.RESULTS_JSON)):
         parser.error(f"--out {args.out} already holds a run ({report.RESULTS_JSON}); give a new folder")
 
+    from ..cli import kernels_or_rerun, quiet_interpreter
+
+    rerun = kernels_or_rerun("llmkernels.bench", argv)
+    if rerun is not None:
+        return rerun
+
     import torch
 
-    from ..ops._launch import INTERPRET
     from .runner import Runner, Settings
 
     gpu = torch.cuda.is_available()
-    if not gpu and not INTERPRET:
-        # Triton reads TRITON_INTERPRET when llmkernels' kernels are defined, which happened on
-        # `import llmkernels`, before this function ran: run again in a fresh process with it set.
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.call([sys.executable, "-m", "llmkernels.bench", *argv], env=env)
     if not gpu:
         print(NO_GPU)
-        # NumPy's warnings from inside the interpreter (log of 0 on masked lanes) are not ours.
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+        quiet_interpreter()
 
     settings = Settings(ops=args.op, dtypes=args.dtype, sizes=args.n, rows=args.m, modes=tuple(args.mode),
                         providers=args.providers, decode=args.decode, eager=args.eager, quick=args.quick)
@@ -210,6 +207,8 @@ def main(argv=None) -> int:
     report.write_json(os.path.join(out, report.RESULTS_JSON), meta, records, skipped)
     with open(os.path.join(out, report.RESULTS_MD), "w") as f:
         f.write(report.markdown(meta, records, skipped, METHOD if gpu else NO_GPU) + "\n")
+    for line in runner.notes():
+        print(line)
     print(report.console(records))
     try:
         pngs = report.plot(records, out) if gpu else report.plot_checks(records, out)

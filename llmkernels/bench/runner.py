@@ -34,6 +34,7 @@ import llmkernels
 from ..testing import poisoned
 
 from .registry import MODES, BenchOp, Unavailable, ops
+from .report import NOT_TIMED_ALONE, NOT_TIMED_ALONE_WHY
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ||out - ref|| / ||ref|| against the float64 reference, per benchmark dtype: a gate against wrong
@@ -367,18 +368,18 @@ class Runner:
                 raise Unavailable("needs a CUDA GPU (its kernels do not run under Triton's interpreter)")
         except Unavailable as exc:
             self.skipped[key] = str(exc)
-            self.log(f"skipped {name} for {op.name}: {exc}")
             return
         checks = {}
         for mode in self.settings.modes:
             if mode != "fwd" and not provider.backward:
                 continue
-            if mode == "bwd" and not provider.repeats_backward:
-                self.log(f"not run: {name} bwd {label}: it forms its gradient in the forward (see fwd+bwd)")
-                continue
             if not self.timing and mode == "fwd+bwd" and "bwd" in self.settings.modes:
                 continue  # without timing, fwd+bwd would repeat the bwd check
             if kind == "eager" and mode not in EAGER_MODES:
+                continue
+            if mode == "bwd" and not provider.repeats_backward and self.timing:
+                # Its forward forms the gradient: the backward alone has nothing to time.
+                self.records.append(dict(self._record(case, kind, name, mode), status=NOT_TIMED_ALONE))
                 continue
             grads = mode != "fwd"
             record = self._record(case, kind, name, mode)
@@ -420,6 +421,23 @@ class Runner:
                 self.log(f"{record['status']}: {name} {mode} {label}: {record['note']}")
                 free_memory()
             self.records.append(record)
+
+    def notes(self) -> list:
+        """What did not run, one line a provider: those skipped here (not installed, no GPU), and
+        those whose backward alone was not timed."""
+        lines = []
+        skipped = {}
+        for (op, provider), reason in self.skipped.items():
+            skipped.setdefault((provider, reason), []).append(op)
+        for (provider, reason), op_names in skipped.items():
+            lines.append(f"skipped {provider} ({', '.join(op_names)}): {reason}")
+        alone = {}  # provider -> its ops, in order
+        for r in self.records:
+            if r["status"] == NOT_TIMED_ALONE:
+                alone.setdefault(r["provider"], {})[r["op"]] = None
+        for provider, op_names in alone.items():
+            lines.append(f"bwd of {provider} ({', '.join(op_names)}) not timed alone: {NOT_TIMED_ALONE_WHY}")
+        return lines
 
     def _bandwidth_ms(self, case: Case, fn, mode: str, mutates: bool, record: dict, label: str) -> float:
         """A bandwidth case's time: replayed from a CUDA graph, or as plain calls (noted) for a

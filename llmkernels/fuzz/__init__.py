@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import time
 import traceback
 from typing import Optional, Sequence
 
 import torch
 
+from ..cli import kernels_or_rerun, quiet_interpreter
 from ..ops._launch import INTERPRET
 from .check import Mismatch, run_case
 from .specs import BUILDERS
@@ -96,23 +98,56 @@ def _triton_version() -> Optional[str]:
     return triton.__version__
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmkernels fuzz", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000, help="cases to run, round-robin over the ops")
-    parser.add_argument("--seed", type=int, default=0)
+DESCRIPTION = """\
+Check every public op against its float64 reference on random cases: shapes (empty, width 1,
+odd widths), dtypes, layouts (transposed, sliced, strided, expanded), options, upstream gradients
+of random scale and the caller's execution context; forward and every gradient, bitwise
+determinism, inputs left untouched, NaN kept in its row, bad arguments refused by name. A
+failing case prints the command that reruns it alone. Without a GPU the kernels run through
+Triton's interpreter on the CPU."""
+
+CONTEXT_HELP = {
+    "plain": "as called",
+    "default_device": "torch.set_default_device set to another device",
+    "device_block": "inside a `with torch.device(...)` block of another device",
+    "autocast": "torch.autocast to bf16",
+    "no_grad": "torch.no_grad",
+    "inference_mode": "torch.inference_mode",
+    "compile": "torch.compile(fullgraph=True)",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmkernels fuzz", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=1000, help="cases to run, round-robin over the ops (default 1000)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed: the same seed and case index give the same case (default 0)")
     parser.add_argument("--start", type=int, default=0, help="first case index (split a run over processes)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="merge the summaries of runs over disjoint ranges into --out, and report them")
     parser.add_argument("--ops", default=None, help=f"comma-separated subset of: {', '.join(BUILDERS)}")
     parser.add_argument("--case", type=int, default=None, help="run this one case index alone (a rerun)")
-    parser.add_argument("--context", default=None, help="force one execution context (see check.CONTEXTS)")
-    parser.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
-    parser.add_argument("--out", default=None, help="write the JSON summary here")
+    parser.add_argument("--context", default=None, choices=list(CONTEXT_HELP), metavar="CONTEXT",
+                        help="run every case in one execution context (default: drawn per case): " +
+                             "; ".join(f"{name}: {what}" for name, what in CONTEXT_HELP.items()))
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")
+    parser.add_argument("--out", default=None, metavar="JSON", help="write the JSON summary here")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
     args = parser.parse_args(argv)
     ops = args.ops.split(",") if args.ops else None
     unknown = sorted(set(ops or ()) - set(BUILDERS))
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {list(BUILDERS)}")
+    rerun = kernels_or_rerun("llmkernels.fuzz", argv)
+    if rerun is not None:
+        return rerun
+    quiet_interpreter()
     if args.case is not None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(run_case(BUILDERS[(ops or [None])[0]], args.seed, args.case, device, context=args.context))

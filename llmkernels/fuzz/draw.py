@@ -100,3 +100,10 @@ def stored(values: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "expanded" and values.dim() >= 2:
         return values[:1].expand(values.shape)
     return values
+
+
+def shift_values(t: torch.Tensor, offset: float) -> None:
+    """Add ``offset`` to the values of ``t`` (made by ``stored``) in place, in whatever layout: to its
+    whole storage (a slice's padding and a strided tensor's gaps are NaN and stay so)."""
+    with torch.no_grad():
+        torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).add_(offset)

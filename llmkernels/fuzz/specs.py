@@ -15,7 +15,7 @@ import torch
 import llmkernels as lk
 from llmkernels import reference
 
-from .draw import Draw
+from .draw import Draw, shift_values
 
 
 @dataclasses.dataclass
@@ -130,9 +130,14 @@ def norm(d: Draw, is_rms: bool) -> Case:
         return (y, h) if a["prenorm"] else y
 
     options = {"eps": -1.0, "casting": "llama3", "out_dtype": torch.int32}
+    bad = _common_bad(d, args, ("x", "weight", "bias", "residual"), _one_bad(d, options))
+    # Rows whose mean is far larger than their spread (LayerNorm's variance must not cancel), in x
+    # or the residual; drawn last, so that the other draws of a case stay as they were.
+    offset = d.choice((0.0,) * 6 + (1e3, 1e4))
+    if offset:
+        shift_values(residual if residual is not None and d.chance(0.5) else x, offset)
     return Case("rms_norm" if is_rms else "layer_norm", args, lambda a: fn(**a),
-                reference_norm, ("x", "weight", "bias", "residual"), row_input="x",
-                bad=_common_bad(d, args, ("x", "weight", "bias", "residual"), _one_bad(d, options)))
+                reference_norm, ("x", "weight", "bias", "residual"), row_input="x", bad=bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +163,7 @@ def rope(d: Draw, hf: bool) -> Case:
         args["unsqueeze_dim"] = 1 if layout == "bhsd" else 2
         return Case("apply_rotary_pos_emb", args, lambda a: lk.apply_rotary_pos_emb(**a),
                     lambda a, c: reference.hf_apply_rotary_pos_emb(**a), ("q", "k"), row_input="q", row_outputs=(0,), nan_in_grad=False,
-                    bad=_common_bad(d, args, ("q", "k", "cos", "sin"), {"unsqueeze_dim": 3}))
+                    bad=_common_bad(d, args, ("q", "k", "cos", "sin"), {"unsqueeze_dim": 5}))
     position_ids = None
     if table:
         position_ids = torch.randint(0, cshape[0], d.choice(((s,), (b, s))), generator=d.gen, device="cpu").to(d.device)

@@ -10,9 +10,9 @@ stages, programs a multiprocessor) by it, so a device at the H100's bandwidth pe
 gets exactly the H100's configurations.
 
 ``tuned(device)``: the configurations ``llmkernels tune`` measured best on this device, read once
-per device from the user's cache (``$XDG_CACHE_HOME/llmkernels`` or ``~/.cache/llmkernels``,
-one file per device name, Triton and llmkernels version), else from the caches shipped for the
-GPUs we measured (``llmkernels/ops/tuned/``). ``LLMKERNELS_TUNED=0`` hides both: the derived
+per device from the user's cache (``$LLMKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmkernels``
+or ``~/.cache/llmkernels``; one file per device name, Triton and llmkernels version), else from
+the caches shipped for the GPUs we measured (``llmkernels/ops/tuned/``). ``LLMKERNELS_TUNED=0`` hides both: the derived
 heuristic alone, as on an unknown GPU. A family looks its key up when it makes a launch plan,
 never on a call.
 """
@@ -32,6 +32,7 @@ import torch
 from ._triton import triton
 
 FORMAT = 1  # the tuned cache's layout; a file of another is ignored
+CACHE_DIR_VARIABLE = "LLMKERNELS_CACHE_DIR"  # moves the user's tuned caches (a shared disk, a read-only home)
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 # Loaded DRAM latency assumed for Little's law (ns): only the ratio of two devices' needs is
 # used for choices, so its value scales the reported bytes in flight, not a configuration.
@@ -208,7 +209,10 @@ def from_record(record: dict, types):
 # the tuned cache
 # --------------------------------------------------------------------------------------------
 def cache_dir() -> str:
-    """Where ``llmkernels tune`` writes: ``$XDG_CACHE_HOME/llmkernels``, else ``~/.cache/llmkernels``."""
+    """Where ``llmkernels tune`` writes and llmkernels reads: ``$LLMKERNELS_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/llmkernels``, else ``~/.cache/llmkernels``."""
+    if os.environ.get(CACHE_DIR_VARIABLE):
+        return os.environ[CACHE_DIR_VARIABLE]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "llmkernels")
 

@@ -85,8 +85,8 @@ VALUES_KEPT = 256  # a Launcher's look-ups by value (all dropped when full: a ru
 
 
 def _kinds(args) -> tuple:
-    return tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float else "number"
-                 for a in args)
+    return tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float
+                 else "none" if a is None else "number" for a in args)
 
 
 def _generated(name: str, kinds: tuple, term) -> object:
@@ -100,14 +100,15 @@ def _generated(name: str, kinds: tuple, term) -> object:
 
 
 def _fingerprint(kinds: tuple):
-    """The function ``(device, *args) -> key`` for arguments of ``kinds`` (``_kinds``: tensor or
-    number at each position; a kernel's signature fixes them). A number's key holds its class
-    too, so an int, a bool and a float never share one."""
+    """The function ``(device, *args) -> key`` for arguments of ``kinds`` (``_kinds``: tensor,
+    float, None or number at each position). A number's key holds its class too, so an int, a
+    bool and a float never share one; None (which Triton specialises as a constant) keys as
+    ``a is None``."""
     fingerprint = _FINGERPRINTS.get(kinds)
     if fingerprint is None:
         number = "({a}.__class__, {a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF)"
         fingerprint = _FINGERPRINTS[kinds] = _generated("fingerprint", kinds, lambda a, kind: (
-            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else
+            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a} is None" if kind == "none" else
             # (a float is not specialised: its class is its key, and a number of another class its own)
             f"{a}.__class__ is float or {number.format(a=a)}" if kind == "float" else number.format(a=a)))
     return fingerprint
@@ -119,7 +120,8 @@ def _values(kinds: tuple):
     values = _VALUES.get(kinds)
     if values is None:
         values = _VALUES[kinds] = _generated("values", kinds, lambda a, kind: (
-            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a}.__class__, {a}"))
+            f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a} is None" if kind == "none"
+            else f"{a}.__class__, {a}"))
     return values
 
 

@@ -2,4 +2,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned training process imports this module without running a sweep
+    sys.exit(main())

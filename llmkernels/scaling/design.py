@@ -7,20 +7,18 @@ Stages, in order:
      ``lr_rounds`` times. The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
   2. ``lower``: the ``lower_budgets`` smallest budgets, each at ``sizes_per_budget`` sizes about
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
-     (``tokens_per_param``), and a second seed at ``seed_budgets``.
+     (``tokens_per_param``), and a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets``.
   3. ``upper``: the other budgets, their windows centred on ``N_opt(C)`` fitted to the lower
      budgets when that fit is good enough, else shrunk toward the prior exponent, and widened by
      the extrapolation's uncertainty (``centre_plan``); half the batch at three sizes of the top
      budget (the batch check).
 Sizes that would see fewer than ``min_tokens_per_param`` tokens a parameter are skipped.
 
-GPU time of the default, and how it was sized: ``estimate`` sums ``plan.StepCost`` (seconds a step
-on one H100, fitted to the 71 kernels-backend runs of the committed 2026-11-25 sweep, rms error
-2.7%) over every planned run, plus 45 s of data preparation and compilation per invocation. 123
-runs (30 learning-rate, 72 IsoFLOP, 21 checks): 12.7 minutes in one piece with the upper windows
-on the prior centre, 14.4 with them on an optimum of 80 tokens a parameter (smaller models, more
-steps), 1.5 more in three 10-minute pieces; the learning-rate extensions add up to about 0.5 s
-to 5 s a run. 1e14-1e16 with the same layout would take about 27 minutes, over the 20 allowed.
+GPU time (``estimate``): ``plan.StepCost`` (seconds a step on one H100, fitted to the 71
+kernels-backend runs of the committed 2026-11-25 sweep) summed over every planned run; with several
+training processes each stage lasts as long as the busiest process (runs handed out longest first,
+and a stage starts when the one before it has ended), plus the data preparation and first kernel
+compilations of each invocation. ``llmkernels scaling --list`` prints it for the plan at hand.
 """
 from __future__ import annotations
 
@@ -31,6 +29,9 @@ from .plan import (H100, LADDER, HParams, LRRule, ModelConfig, Run, StepCost, bu
                    parse_ladder, prior_optimal_params, window)
 
 STAGES = ("lr", "sweep", "seed", "batch", "backend")
+# The seed check's runs train with seed + this, so that a replicate sweep with a nearby --seed
+# shares none of its runs with another sweep's checks.
+SEED_CHECK_OFFSET = 1000
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class Design:
         c = self.budgets()[index]
         runs = []
         if index in self.seed_budgets:
-            runs += [make_run("seed", c, m, rule, hp, seed=self.seed + 1, backend=self.backend) for m in sizes]
+            runs += [make_run("seed", c, m, rule, hp, seed=self.seed + SEED_CHECK_OFFSET, backend=self.backend)
+                     for m in sizes]
         if index == self.backend_check:
             runs += [make_run("backend", c, m, rule, hp, seed=self.seed, backend=self.check_backend) for m in sizes]
         if index == self.n_budgets - 1 and self.batch_check_sizes > 0 and hp.batch(c) >= 2:
@@ -144,9 +146,17 @@ class Design:
         return self.stage_runs(models, rule, hp, range(self.lower_budgets, self.n_budgets), centres, spans)
 
 
-def estimate(runs: list[Run], cost: StepCost = H100, pieces: int = 1) -> float:
-    """Seconds on one GPU of ``runs`` back to back in ``pieces`` invocations (``plan.StepCost``)."""
-    return sum(cost.run_seconds(r) for r in runs) + pieces * cost.process_overhead
+def estimate(stages: list[list[Run]], cost: StepCost = H100, pieces: int = 1, workers: int = 1) -> float:
+    """Seconds of the runs of ``stages`` in ``pieces`` invocations on ``workers`` GPUs
+    (``plan.StepCost``): each stage's runs handed out longest first to the least busy process, a
+    stage lasting until its busiest process ends."""
+    total = 0.0
+    for stage in stages:
+        loads = [0.0] * workers
+        for seconds in sorted((cost.run_seconds(r) for r in stage), reverse=True):
+            loads[loads.index(min(loads))] += seconds
+        total += max(loads)
+    return total + pieces * cost.process_overhead
 
 
 def _floats(text: str) -> tuple[float, ...]:

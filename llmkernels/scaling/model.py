@@ -114,9 +114,11 @@ class Block(nn.Module):
     def forward(self, x, residual, cos, sin, act_dtype):
         b, t, d = x.shape
         y, residual = self.attn_norm(x, residual, out_dtype=act_dtype)
-        q, k, v = self.qkv(y).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+        # [q, k, v] of each head side by side: the rows of q (and of k) lie 3·head_dim apart, evenly,
+        # so that the QK-norm reads them in place instead of from a copy
+        q, k, v = self.qkv(y).view(b, t, self.n_heads, 3, self.head_dim).unbind(3)
         if self.qk_norms is not None:
-            q, k = (norm(h.contiguous(), out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
+            q, k = (norm(h, out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
         q, k = self.ops["rope"](q, k, cos, sin, layout="bshd")
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = self.proj(a.transpose(1, 2).reshape(b, t, d))

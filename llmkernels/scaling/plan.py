@@ -13,7 +13,7 @@ of the context (Kaplan et al. 2020 count it so). Norm weights are in ``N_total``
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a multiple of it
 SEQ_LEN = 512
@@ -27,19 +27,13 @@ LADDER = [
     (8, 576), (10, 576), (9, 640), (6, 64), (6, 128), (6, 192),
 ]
 
-# Published fits for the report (Hoffmann et al. 2022, Table 2 / A; Besiroglu et al. 2024, Table 1).
-PUBLISHED = {
-    "chinchilla_approach1": {"a": 0.50, "a_ci": [0.488, 0.502], "b": 0.50, "b_ci": [0.501, 0.512]},
-    "chinchilla_approach2": {"a": 0.49, "a_ci": [0.462, 0.534], "b": 0.51, "b_ci": [0.483, 0.529]},
-    "chinchilla_approach3": {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28, "a": 0.46, "b": 0.54},
-    "besiroglu2024_approach3": {"E": 1.82, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3658,
-                                "E_se": 0.03, "alpha_se": 0.02, "beta_se": 0.02,
-                                "a": round(0.3658 / (0.3478 + 0.3658), 3), "b": round(0.3478 / (0.3478 + 0.3658), 3)},
-    # Porian et al. 2024 (NeurIPS), OpenWebText2 / RefinedWeb, 5M-901M parameters, ~1e16-1e19 FLOPs:
-    # Kaplan's a = 0.88 falls to about 0.5 once the head's FLOPs are counted, warm-up scales with
-    # the run and the learning rate, batch and AdamW beta2 are tuned per size.
-    "porian2024": {"a_kaplan_setup": 0.88, "a_corrected": 0.50},
-}
+# bf16 dense peak of the tensor cores (vendor datasheets; SXM parts unless named) for MFU: the first
+# name that the device's name contains.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
-"""Executing a sweep: device and ranks, the data, each stage's runs (claimed one at a time by the
-ranks, skipped when finished, resumed from checkpoints), the learning-rate rule, the windows of the
-upper budgets and the report."""
+"""Executing a sweep: the data, each stage's runs handed to the training processes (``workers``:
+one per GPU, or the parent itself), skipped when finished, resumed from checkpoints, the
+learning-rate rule, the windows of the upper budgets, the archive after every finished run, and
+the report."""
 from __future__ import annotations
 
 import datetime as dt
 import math
-import os
 import platform
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +22,8 @@ from . import fit, report, surface
 from .design import centre_plan, design_from
 from .plan import H100, LRRule, ladder_models
 from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, write_json
-from .train import TimeUp, TrainConfig, eval_windows, set_deterministic, train_run
+from .train import TrainConfig, set_deterministic
+from .workers import Local, Pool, Setup, Task
 
 EXIT_INCOMPLETE = 3
 STAGE_ORDER = {"lr": 0, "sweep": 1, "seed": 2, "batch": 3, "backend": 4}
@@ -28,7 +31,7 @@ STAGE_ORDER = {"lr": 0, "sweep": 1, "seed": 2, "batch": 3, "backend": 4}
 
 class Estimator:
     """Predicted seconds of a run: ``plan.StepCost`` (an H100's) scaled by the median ratio of
-    measured to predicted seconds of the runs finished in this process. None: no guess (CPU
+    measured to predicted seconds of the runs finished in this invocation. None: no guess (CPU
     before its first run)."""
 
     def __init__(self, cuda: bool):
@@ -48,68 +51,52 @@ def _fmt_seconds(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
-def claim_order(runs, timed: bool) -> list:
-    """The order every rank walks the runs in, claiming each unclaimed one: longest first (the ranks
-    end together), or under a time limit smallest budget first (each piece completes whole budgets)."""
+def run_order(runs, timed: bool) -> list:
+    """The order runs are handed out in: longest first (the processes end together), or under a
+    time limit smallest budget first (each invocation completes whole budgets)."""
     if timed:
         return sorted(runs, key=lambda r: (r.budget, STAGE_ORDER[r.stage], -r.compute))
     return sorted(runs, key=lambda r: -H100.run_seconds(r))
 
 
+def devices_for(args) -> tuple[bool, list[str]]:
+    """(cuda, the training processes' devices): ``--workers`` GPUs (default every visible one), or
+    ``--workers`` CPU processes (default one)."""
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is available")
+    if args.workers is not None and args.workers < 1:
+        raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    if not cuda:
+        return False, ["cpu"] * (args.workers or 1)
+    count = torch.cuda.device_count()
+    if (args.workers or count) > count:
+        raise SystemExit(f"--workers {args.workers}: only {count} GPU(s) visible (one training process per GPU)")
+    return True, [f"cuda:{i}" for i in range(args.workers or count)]
+
+
 class Session:
-    """One invocation of ``llmkernels scaling`` (one rank of it under torchrun)."""
+    """One invocation of ``llmkernels scaling``."""
 
     def __init__(self, args, argv):
         self.args, self.argv = args, argv
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-        if cuda and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no GPU is available")
-        self.device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        self.dtype = torch.bfloat16 if (args.dtype == "bf16" or (args.dtype == "auto" and cuda)) else torch.float32
-        self.dtype_name = str(self.dtype).replace("torch.", "")
-        self.dist = None
-        if self.world > 1:
-            import torch.distributed as dist
-            # Ranks exchange no tensors, only barriers: gloo works whether or not they share a GPU.
-            dist.init_process_group("gloo", timeout=dt.timedelta(hours=24))
-            self.dist = dist
+        self.cuda, self.devices = devices_for(args)
+        self.dtype_name = "bfloat16" if (args.dtype == "bf16" or (args.dtype == "auto" and self.cuda)) else "float32"
         self.out = Path(args.out)
-        self.runs_dir, self.ckpt_dir, self.claims = self.out / "runs", self.out / "checkpoints", self.out / "claims"
-        self.deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
-        self.estimator = Estimator(cuda)
-        self.t_start = time.perf_counter()
+        self.runs_dir, self.ckpt_dir = self.out / "runs", self.out / "checkpoints"
+        self.deadline = None if args.time_limit is None else time.time() + args.time_limit
+        self.estimator = Estimator(self.cuda)
+        self.t_start = time.time()
+        self.trainer = None
 
     def log(self, msg=""):
-        print(msg if self.world == 1 else f"[rank {self.rank}] {msg}", flush=True)
-
-    def barrier(self):
-        if self.dist is not None:
-            self.dist.barrier()
+        print(msg, flush=True)
 
     # ----------------------------------------------------------------------------------------
-    def prepare_data(self):
+    def data_config(self) -> data_mod.DataConfig:
         a = self.args
-        dcfg = data_mod.DataConfig(path=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+        return data_mod.DataConfig(path=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                                    heldout_frac=a.heldout_frac, max_bytes=a.max_bytes, seed=a.data_seed)
-        corpus, failed = None, self.out / "data-error.txt"
-        if self.rank == 0:
-            for d in (self.runs_dir, self.ckpt_dir, self.claims):
-                d.mkdir(parents=True, exist_ok=True)
-            for stale in [*self.claims.iterdir(), failed]:  # left by a killed or failed earlier invocation
-                stale.unlink(missing_ok=True)
-            try:
-                corpus = data_mod.prepare(dcfg, self.out / "data", log=self.log)
-            except (OSError, ValueError, ImportError) as exc:
-                failed.write_text(f"{type(exc).__name__}: {exc}")
-        self.barrier()
-        if failed.exists():
-            raise SystemExit(f"llmkernels scaling: data preparation failed: {failed.read_text()}")
-        return corpus or data_mod.prepare(dcfg, self.out / "data", log=lambda *_: None)
 
     def saved_meta(self) -> dict:
         """``--fit-only``: the data description (and dtype) the finished runs were trained with, read
@@ -122,15 +109,18 @@ class Session:
                 return meta
         raise SystemExit(f"--fit-only: no finished run with its data/<fingerprint>/meta.json under {self.out}")
 
-    def claim(self, run_id: str) -> bool:
-        """Take ``run_id`` for this rank (a file made exclusively, holding the rank), False if taken."""
-        try:
-            fd = os.open(self.claims / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return False
-        os.write(fd, f"rank {self.rank}\n".encode())
-        os.close(fd)
-        return True
+    def start_trainer(self):
+        """The training processes: the parent itself with one device, else one spawned per device
+        (each starts its device now and loads the tokens with its first run)."""
+        a = self.args
+        many = len(self.devices) > 1
+        setup = Setup(seq_len=a.seq_len, eval_tokens=a.eval_tokens,
+                      curve_eval_tokens=a.curve_eval_tokens, dtype=self.dtype_name,
+                      deterministic=self.cuda and not a.nondeterministic, capture=not a.no_graph,
+                      ckpt_interval=a.ckpt_interval, progress=not (a.no_progress or many),
+                      threads=max(1, torch.get_num_threads() // len(self.devices)) if many else None)
+        self.trainer = Pool(setup, self.devices, self.log) if many else Local(setup, self.devices[0], self.log)
+        self.log(f"training on {', '.join(self.devices)}" + (" (one process each)" if many else ""))
 
     def train_config(self, run) -> TrainConfig:
         a, hp = self.args, self.hp
@@ -147,53 +137,32 @@ class Session:
         prev = read_json(self.runs_dir / f"{run.id}.json")
         return prev if prev and prev.get("key") == self.key(run, self.train_config(run)) else None
 
-    def diverged(self, run, tcfg, exc) -> dict:
-        """The record of a run whose loss went non-finite: a result (no loss) so that it is not retried;
-        the learning-rate sweep counts it as the worst rate, the fits leave it out."""
-        m = run.model
-        return {"name": m.name, "backend": run.backend, "model": m.to_dict(), "train": asdict(tcfg),
-                "params": m.total_params(), "non_embedding_params": m.non_embedding_params(), "steps": run.steps,
-                "tokens": run.tokens, "compute": run.compute, "val_loss": None, "diverged": f"{exc}", "curve": [],
-                "train_seconds": 0.0, "wall_seconds": 0.0, "epochs": run.tokens / max(1, self.meta["train_tokens"]),
-                "device": str(self.device), "captured": False, "ops": {}, "tokens_per_s": 0.0, "mfu": None}
+    def task(self, run) -> Task:
+        tcfg = self.train_config(run)
+        key = self.key(run, tcfg)
+        return Task(run=run, train=tcfg, key=key, tags=self.tags(run, key), data_dir=str(self.out / "data" / self.fingerprint),
+                    runs_dir=str(self.runs_dir),
+                    ckpt_path=str(self.ckpt_dir / f"{run.id}.pt"), deadline=self.deadline,
+                    predicted=self.estimator.seconds(run))
 
     def execute(self, runs, title: str) -> tuple[list[dict], list[str]]:
-        """Train the runs not finished yet, each claimed by one rank (``claim_order``). Returns every
-        finished result of ``runs`` and the ids still missing."""
-        a = self.args
-        todo = claim_order(runs, self.deadline is not None)
-        stop = False
-        for i, run in enumerate(todo):
-            tcfg = self.train_config(run)
-            key = self.key(run, tcfg)
-            if a.fit_only or stop or self.finished(run) or not self.claim(run.id):
-                continue
-            path = self.runs_dir / f"{run.id}.json"
-            try:
-                est = self.estimator.seconds(run)
-                if self.deadline is not None and est is not None and time.perf_counter() + est > self.deadline:
-                    continue
-                result = train_run(run.model, tcfg, self.train_tokens, self.val_windows, backend=run.backend,
-                                   device=self.device, dtype=self.dtype, key=key, capture=not a.no_graph,
-                                   ckpt_path=str(self.ckpt_dir / f"{run.id}.pt"), ckpt_interval=a.ckpt_interval,
-                                   deadline=self.deadline, progress=not a.no_progress,
-                                   position=self.rank if self.world > 1 else 0, desc=run.id, log=self.log)
-            except TimeUp as exc:
-                self.log(str(exc))
-                stop = True
-            except FloatingPointError as exc:
-                self.log(f"{run.id}: DIVERGED: {exc}")
-                write_json(path, {**self.diverged(run, tcfg, exc), **self.tags(run, key)})
-            except (RuntimeError, ValueError) as exc:
-                self.log(f"{run.id}: FAILED: {type(exc).__name__}: {exc}")
-                write_json(self.runs_dir / f"{run.id}.failed.json", {"run": run.id, "error": f"{type(exc).__name__}: {exc}"})
-            else:
-                write_json(path, {**result, **self.tags(run, key)})  # before the claim goes: no rank retrains it
-                self.estimator.add(run, result)
-                self.log_result(title, i, todo, run, result)
-            finally:
-                (self.claims / run.id).unlink(missing_ok=True)
-        self.barrier()
+        """Train the runs not finished yet (``run_order``), packing the archive after each that
+        finishes. Returns every finished result of ``runs`` and the ids still missing."""
+        todo = [] if self.args.fit_only else [r for r in run_order(runs, self.deadline is not None) if not self.finished(r)]
+        done = 0
+        for out in self.trainer.run(todo, self.task) if todo else ():
+            status, run = out["status"], out["run"]
+            if status == "done":
+                done += 1
+                self.estimator.add(run, out["result"])
+                self.log_result(title, done, len(todo), run, out["result"])
+            elif status == "timeup":
+                self.log(out["error"])
+                self.trainer.stop()
+            elif status in ("diverged", "failed"):
+                self.log(f"{out['id']}: {status.upper()}: {out['error']}")
+            if status in ("done", "diverged"):
+                self.pack()
         results = [r for r in map(self.finished, runs) if r]
         return results, [run.id for run in runs if not self.finished(run)]
 
@@ -202,23 +171,26 @@ class Session:
         return {"key": key, "id": run.id, "stage": run.stage, "budget": run.budget, "seed": run.seed,
                 "lr_mult": run.lr_mult, "batch": run.batch_size, "lr": run.lr}
 
-    def log_result(self, title, i, todo, run, result):
-        left = [r for r in todo[i + 1:] if not (self.runs_dir / f"{r.id}.json").exists()]
-        eta = sum(self.estimator.seconds(r) or 0.0 for r in left) / self.world
-        self.log(f"[{title} {i + 1}/{len(todo)}] {run.id}: loss {result['val_loss']:.4f} "
+    def log_result(self, title, done, total, run, result):
+        left = total - done
+        eta = sum(self.estimator.seconds(r) or 0.0 for r in self.trainer.pending)
+        self.log(f"[{title} {done}/{total}] {run.id}: loss {result['val_loss']:.4f} "
                  f"({data_mod.bits_per_byte(result['val_loss'], self.meta['val_tokens_per_byte']):.3f} bits/byte) in "
                  f"{result['train_seconds']:.1f} s, {result['tokens_per_s']:,.0f} tok/s"
                  + (f", MFU {result['mfu']:.1%}" if result["mfu"] else "")
-                 + (f"; about {_fmt_seconds(eta)} left in this stage" if left and self.estimator.cuda else ""))
+                 + (f"; about {_fmt_seconds(eta / self.trainer.workers)} left in this stage" if left and eta else ""))
+
+    def pack(self):
+        if self.args.archive:
+            pack(self.out, Path(self.args.archive))
 
     # ----------------------------------------------------------------------------------------
     def fitted_once(self, name: str, ids: list[str], make) -> dict:
-        """``name`` (a JSON in the output folder) made by rank 0 from ``make()`` unless it was already
-        made from the same runs (so a resumed sweep keeps what its runs were planned with)."""
+        """``name`` (a JSON in the output folder) made from ``make()`` unless it was already made
+        from the same runs (so a resumed sweep keeps what its runs were planned with)."""
         saved = read_json(self.out / name)
-        if self.rank == 0 and not (saved and saved.get("runs") == ids):
+        if not (saved and saved.get("runs") == ids):
             write_json(self.out / name, {**make(), "runs": ids})
-        self.barrier()
         return read_json(self.out / name)
 
     def lr_stage(self, design, models) -> tuple[LRRule | None, dict, list[dict], list[str]]:
@@ -259,42 +231,46 @@ class Session:
         return read_centres(self.out), read_spans(self.out)
 
     def main(self) -> int:
-        """The sweep, restored first from ``--restore`` and packed last into ``--archive`` (also when
-        cut short or failed: what finished is kept); deterministic kernels on GPU unless
-        ``--nondeterministic``."""
+        """The sweep, restored first from ``--restore`` and packed into ``--archive`` after every
+        finished run and last (also when cut short, failed or terminated: what finished is kept)."""
         a = self.args
-        if a.restore and self.rank == 0:
+        if a.restore:
             if Path(a.restore).is_file():
                 self.log(f"restored {unpack(Path(a.restore), self.out)} files from {a.restore} into {self.out}")
             else:
                 self.log(f"--restore: no archive at {a.restore}: starting from what {self.out} holds")
-        self.barrier()
-        deterministic = self.device.type == "cuda" and not a.nondeterministic
-        set_deterministic(deterministic)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+        aborted = True
         try:
-            return self.sweep()
+            code = self.sweep()
+            aborted = False
+            return code
         finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+            if self.trainer is not None:
+                self.trainer.close(abort=aborted)
             set_deterministic(False)
-            if a.archive and self.rank == 0:
+            if a.archive:
                 self.log(f"packed {pack(self.out, Path(a.archive))} files of {self.out} into {a.archive}")
 
     def sweep(self) -> int:
         a = self.args
         if a.fit_only:
-            corpus = None
             self.meta = self.saved_meta()
         else:
-            corpus = self.prepare_data()
-            self.meta = corpus.meta
+            for d in (self.runs_dir, self.ckpt_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self.start_trainer()  # the training processes start their devices while the data is built
+            try:
+                self.meta = data_mod.prepare(self.data_config(), self.out / "data", log=self.log).meta
+            except (OSError, ValueError, ImportError) as exc:
+                raise SystemExit(f"llmkernels scaling: data preparation failed: {type(exc).__name__}: {exc}") from None
         self.fingerprint = self.meta["fingerprint"]
         design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
         models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm)
-        if corpus is not None:
-            self.train_tokens = torch.from_numpy(corpus.train).to(self.device)
-            val = torch.from_numpy(corpus.val).to(self.device)
-            self.val_windows = {"final": eval_windows(val, a.seq_len, a.eval_tokens),
-                                "curve": eval_windows(val, a.seq_len, a.curve_eval_tokens)}
         results, missing = [], []
         if a.lr is not None:
             rule = LRRule(c=a.lr, gamma=a.lr_gamma, source="--lr")
@@ -309,14 +285,9 @@ class Session:
                 results += upper
         if missing:
             self.incomplete(missing)
-        if self.rank == 0 and results:
+        if results:
             self.write_report(results, lr_fit)
-        self.log(f"total wall-clock {_fmt_seconds(time.perf_counter() - self.t_start)}")
-        self.barrier()
-        if self.rank == 0 and self.claims.is_dir() and not any(self.claims.iterdir()):
-            self.claims.rmdir()
-        if self.dist is not None:
-            self.dist.destroy_process_group()
+        self.log(f"total wall-clock {_fmt_seconds(time.time() - self.t_start)}")
         return EXIT_INCOMPLETE if missing else 0
 
     def incomplete(self, missing: list[str]):
@@ -325,9 +296,9 @@ class Session:
                  + ("rerun the same command to resume" if not self.args.fit_only else "train them first"))
 
     def write_report(self, results: list[dict], lr_fit: dict):
-        here = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else (platform.processor() or "cpu")
-        device_name = ", ".join(sorted({r["device"] for r in results})) + ("" if not self.args.fit_only else
-                                                                        f" (fitted on {here})")
+        device_name = ", ".join(sorted({r["device"] for r in results}))
+        if self.args.fit_only:
+            device_name += f" (fitted on {platform.processor() or platform.machine() or 'a CPU'})"
         try:
             import triton
             triton_version = triton.__version__
@@ -336,21 +307,30 @@ class Session:
         info = {"device": device_name, "date": dt.date.today().isoformat(),
                 "command": "llmkernels scaling " + " ".join(sys.argv[1:] if self.argv is None else self.argv),
                 "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
-                "world_size": self.world, "captured": sorted({r["captured"] for r in results}),
+                "workers": len(self.devices), "wall_seconds": time.time() - self.t_start,
+                "captured": sorted({r["captured"] for r in results}),
                 "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
         an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap)
-        boot = an["bootstrap"] or {}
+        ivals = an["intervals"] or {}
 
-        def est(key, fit_, name):
-            v = fit_.get(name)
-            return "n/a" if v is None else f"{v:.3f}" + (f" [{boot[key]['lo']:.3f}, {boot[key]['hi']:.3f}]" if key in boot else "")
-        self.log(f"quality gate: {an['gate']['ok']}: {an['gate']['reason']}")
-        for k, name in (("1", "approach1"), ("2", "approach2"), ("3", "approach3")):
-            self.log(f"approach {k}: a = {est(f'a{k}_a', an[name], 'a')}, b = {est(f'a{k}_b', an[name], 'b')}")
+        def est(key):
+            v = an["estimates"].get(key)
+            iv = ivals.get(key)
+            return "n/a" if v is None else f"{v:.3f}" + (f" [{iv['lo']:.3f}, {iv['hi']:.3f}]" if iv and iv["lo"] is not None else "")
+        g = an["gate"]
+        self.log(f"quality gate: {g['ok']}" + (f" (failed: {', '.join(g['failed'])})" if g["failed"] else "")
+                 + (f" (not evaluated: {', '.join(g['not_evaluated'])})" if g["not_evaluated"] else ""))
+        for k in ("1", "2", "3"):
+            self.log(f"approach {k}: a = {est(f'a{k}_a')}, b = {est(f'a{k}_b')}")
         self.log(surface.describe_e(an["e_profile"]))
         ex = an["extrapolation"]
         if ex.get("approach3_error") is not None:
             self.log(f"extrapolation to {ex['budget']:.3g} FLOPs: optimal loss error {ex['approach3_error']:+.4f} nats/token")
         self.log(f"wrote {self.out / 'report.md'}, report.json and {len(an['figures'])} figures"
                  + (f" ({len(an['figures_skipped'])} not drawn: see report.md)" if an["figures_skipped"] else ""))
+
+
+def _terminate(signum, frame):
+    """SIGTERM (a time limit's kill): leave through ``finally``, so that the archive is packed."""
+    raise SystemExit(128 + signum)

@@ -19,7 +19,7 @@ def read_json(path: Path):
 
 
 def write_json(path: Path, obj):
-    """Write through a temporary file, so that a reader (another rank, a killed run) never sees half."""
+    """Write through a temporary file, so that a reader (another process, a killed run) never sees half."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1, default=float))

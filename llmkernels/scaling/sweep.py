@@ -21,9 +21,14 @@ Exit status: 0 every run finished and the report is written; 1 a failure (data, 
 error or a missing `scaling` extra (checked before any data or training); 3 runs not finished (a
 time limit, a failed run): the report covers those that are, and the same command resumes.
 
-Several processes (torchrun --nproc_per_node=K -m llmkernels.scaling) share the runs: each claims
-whole runs in turn (a claim is a file), several processes may share a GPU, and rank 0 writes the
-report. Small models do not fill a GPU; independent runs scale without any communication.
+Several GPUs: one training process per GPU (--workers, default every visible GPU; on a CPU one
+process, or --workers N) takes the next run of a stage as it comes free; a stage ends when its last
+run does, so the plan and every result are those of one GPU. --archive packs the output's small
+files after every finished run, so that a call killed at its time limit loses only the runs in
+flight; --restore in the next call (a fresh machine) resumes from there.
+
+A replicate: the same command with another --seed (initialisation and data order of every run),
+then --compare A B sets the two sweeps' exponents side by side.
 """
 from __future__ import annotations
 
@@ -32,25 +37,31 @@ import importlib.util
 import math
 from pathlib import Path
 
+from . import compare as compare_mod
 from . import data as data_mod
-from .design import Design, design_from, estimate
+from .design import SEED_CHECK_OFFSET, Design, design_from, estimate
 from .plan import BYTE_VOCAB, SEQ_LEN, HParams, LRRule, ladder_models
 from .store import read_centres, read_rule, read_spans
 
 EXIT_USAGE = 2
+DEFAULT_OUT = "scaling-runs"
 EXTRAS = ("scipy", "matplotlib", "tqdm")
 INSTALL = 'pip install "llmkernels[scaling]"'
 
 
 def build_parser() -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog="llmkernels scaling", description="\n\n".join(doc[:2]), epilog=doc[3],
+    p = argparse.ArgumentParser(prog="llmkernels scaling", description="\n\n".join(doc[:2]), epilog="\n\n".join(doc[3:]),
                                 formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100))
     d, hp = Design(), HParams()
     g = p.add_argument_group("output and control")
-    g.add_argument("--out", metavar="DIR", default="scaling-runs", help="output folder (default: %(default)s)")
+    g.add_argument("--out", metavar="DIR", default=None, help=f"output folder (default: {DEFAULT_OUT}; with --compare: "
+                   "where comparison.md and comparison.json go, default none)")
     g.add_argument("--list", action="store_true",
                    help="print the plan (runs, sizes, tokens, steps) and exit, without building data or training")
+    g.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                   help="compare two finished sweeps' exponents (output folders, report.json files or --archive files) "
+                        "and exit")
     g.add_argument("--fit-only", action="store_true", help="train nothing: refit and rewrite the report from the "
                    "finished runs")
     g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
@@ -65,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first extract an --archive of an earlier invocation into --out (nothing when the file "
                         "is absent), so that a sweep cut into calls on fresh machines resumes from one file")
     g.add_argument("--archive", metavar="ARCHIVE", default=None,
-                   help="last (also when cut short) pack --out's small files (runs, fits, report, figures; not "
-                        "the token arrays or checkpoints) into this .tar.gz")
+                   help="pack --out's small files (runs, fits, report, figures; not the token arrays or "
+                        "checkpoints) into this .tar.gz after every finished run and last (also when cut short)")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="a text file, a folder of text files, or JSON lines with a 'text' field (default: every "
@@ -100,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels: llmkernels' Triton ops; reference: plain PyTorch (default: %(default)s)")
     g.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="RMSNorm of each head's queries and keys (stabilises high learning rates) (default: on)")
-    g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order (default: %(default)s)")
+    g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order of every run; "
+                   "another value gives an independent replicate (default: %(default)s)")
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
-                   help="budgets (0 = smallest) rerun with seed + 1; empty: none (default: %(default)s)")
+                   help=f"budgets (0 = smallest) rerun with seed + {SEED_CHECK_OFFSET}; empty: none (default: %(default)s)")
     g.add_argument("--batch-check", metavar="N", type=int, default=d.batch_check_sizes,
                    help="sizes of the top budget rerun at half its batch; 0: none (default: %(default)s)")
     g.add_argument("--backend-check", metavar="INDEX", type=int, default=None,
@@ -134,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out tokens of each of those (default: %(default)s)")
     g = p.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: %(default)s)")
+    g.add_argument("--workers", metavar="N", type=int, default=None,
+                   help="training processes, each taking the next run as it comes free: on CUDA one per GPU, the "
+                        "first N visible (default: every visible GPU); on a CPU N processes (default: 1)")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU (default: %(default)s)")
     g.add_argument("--no-graph", action="store_true", help="run the step eagerly instead of as one CUDA graph")
@@ -163,6 +178,7 @@ def print_plan(args, out=print) -> int:
     centres = read_centres(Path(args.out))
     lr_runs = [] if args.lr else design.lr_sweep(models, hp)
     runs = design.lower(models, rule, hp) + design.upper(models, rule, hp, centres, read_spans(Path(args.out)))
+    lower_budgets = set(design.budgets()[: design.lower_budgets])
     out(f"data: {files:,} files, {n_bytes / 1e6:,.0f} MB before deduplication: about {train_tokens / 1e6:,.0f}M train "
         f"tokens ({args.tokenizer}); epochs below are estimates from that")
     out(f"learning rates: {rule.source} (c = {rule.c:.3g}, gamma = {rule.gamma:.3f}, kappa = {rule.kappa}); upper "
@@ -172,16 +188,22 @@ def print_plan(args, out=print) -> int:
     for r in lr_runs + runs:
         out(f"{r.id:<44}{r.model.total_params():>12,}{r.model.non_embedding_params():>12,}{r.tokens / 1e6:>8.1f}M"
             f"{r.tokens / max(1.0, train_tokens):>8.2f}{r.batch_size:>6}{r.steps:>7}{r.lr:>10.2e}{r.compute / 1e15:>9.2f}"
-            f"{estimate([r], pieces=0):>8.1f}")
+            f"{estimate([[r]], pieces=0):>8.1f}")
     total = sum(r.compute for r in lr_runs + runs)
+    stages = [lr_runs, [r for r in runs if r.budget in lower_budgets], [r for r in runs if r.budget not in lower_budgets]]
+    gpus = args.workers or 4
     out(f"{len(lr_runs)} learning-rate runs (before extensions), {sum(r.stage == 'sweep' for r in runs)} IsoFLOP runs over "
         f"{design.n_budgets} budgets, {sum(r.stage != 'sweep' for r in runs)} check runs: {total:.3g} FLOPs, about "
-        f"{estimate(lr_runs + runs) / 60:.1f} min on one H100 (design.estimate)")
+        f"{estimate(stages) / 60:.1f} min on one H100, {estimate(stages, workers=gpus) / 60:.1f} min on {gpus} "
+        "(design.estimate)")
     return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare:
+        return compare_mod.main(args.compare, args.out)
+    args.out = args.out or DEFAULT_OUT
     if args.list:
         return print_plan(args)
     missing = missing_extras(args)

@@ -21,11 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .model import GPT, ops_run
-from .plan import HParams, ModelConfig
-
-# bf16 dense peak of the tensor cores (vendor datasheets, SXM parts) for the MFU column.
-PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
-
+from .plan import HParams, ModelConfig, peak_flops
 
 def set_deterministic(on: bool):
     """Bitwise-reproducible training on GPU (``--deterministic``): PyTorch's deterministic kernels
@@ -95,13 +91,11 @@ def curve_steps(steps: int, points: int) -> list[int]:
     return sorted({min(steps, round(first * ratio**i)) for i in range(points)})
 
 
-def run_seed(seed: int, name: str) -> int:
-    """A per-size seed, stable across processes, devices and backends."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
-
-
-def peak_flops(device_name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+def run_seed(seed: int, name: str, stream: str) -> int:
+    """A per-size seed of one random ``stream`` (``"init"``: the initial weights, ``"data"``: the
+    batches' start offsets), stable across processes, devices and backends; distinct streams and
+    seeds draw from unrelated generators."""
+    return zlib.crc32(f"{stream}:{seed}:{name}".encode()) % (2**31)
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -146,7 +140,7 @@ class Stepper:
         if train_tokens.numel() <= seq + 1:
             raise ValueError(f"train split has {train_tokens.numel()} tokens: fewer than one window of {seq + 1}")
         self.tokens = train_tokens
-        gen = torch.Generator().manual_seed(run_seed(cfg.seed + 1, model.cfg.name))
+        gen = torch.Generator().manual_seed(run_seed(cfg.seed, model.cfg.name, "data"))
         self.starts = torch.randint(0, train_tokens.numel() - seq - 1, (cfg.steps, cfg.batch_size),
                                     generator=gen).to(device)
         self.offsets = torch.arange(seq + 1, device=device)
@@ -241,7 +235,7 @@ def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, v
     windows on ``device``. ``deadline`` (``time.perf_counter()`` value): past it, checkpoint and
     raise ``TimeUp``."""
     wall0 = time.perf_counter()
-    torch.manual_seed(run_seed(cfg.seed, mcfg.name))
+    torch.manual_seed(run_seed(cfg.seed, mcfg.name, "init"))
     model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32).to(device)
     amp = autocast_for(device, dtype)
     stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture)
@@ -321,7 +315,7 @@ def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, v
         "epochs": tokens / train_tokens.numel(), "val_loss": val_loss,
         "train_loss": history[-1][2], "first_train_loss": history[0][2], "curve": curve, "history": history,
         "train_seconds": train_seconds, "setup_seconds": setup_seconds, "tokens_per_s": tokens_per_s,
-        "tflops": flops_per_s / 1e12, "mfu": None if peak is None else flops_per_s / peak,
+        "tflops": flops_per_s / 1e12, "peak_flops": peak, "mfu": None if peak is None else flops_per_s / peak,
         "wall_seconds": time.perf_counter() - wall0, "resumed_from_step": start,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
     }

@@ -28,22 +28,51 @@ FAMILIES = ("norm", "ce", "rope")
 TINY = dict(widths=(256, 1000), vocabs=(9000,), seq=8, norm_rows=5, ce_rows=3, rope_rows=1, limit=2)
 
 
+NO_GPU = """\
+llmkernels tune: needs a CUDA GPU, and none is here.
+On a GPU it measures that GPU's launch configurations and writes them to
+  {cache}/<device>-triton<version>-llmkernels<version>.json
+which llmkernels reads on that GPU from then on ({variable}=DIR moves it).
+To check this command on the CPU (tiny tasks through Triton's interpreter, under two minutes):
+  llmkernels tune --tiny --out llmkernels-tune-check.json"""
+
+
 def _parser() -> argparse.ArgumentParser:
+    from ..ops import _device
+    from . import spaces
+
+    def listed(values) -> str:
+        return ",".join(map(str, values))
+
+    cache = os.path.join(_device.cache_dir(), "<device>-triton<version>-llmkernels<version>.json")
     p = argparse.ArgumentParser(
         prog="llmkernels tune",
         description="Search the launch configurations of each kernel family on this GPU (bf16, checked against the "
                     "float64 reference, timed by CUDA-graph replay) and write the per-device cache that llmkernels "
-                    "reads when it makes a launch plan. Resumable: run the same command again to go on.")
-    p.add_argument("--ops", default=",".join(FAMILIES), help=f"families, comma-separated (default {','.join(FAMILIES)})")
-    p.add_argument("--widths", help="norm row widths, comma-separated (default: spaces.NORM_WIDTHS)")
-    p.add_argument("--vocabs", help="cross-entropy vocabularies, comma-separated (default: spaces.VOCABS)")
-    p.add_argument("--norm-ops", help="rmsnorm,layernorm,add_rmsnorm (default all)")
-    p.add_argument("--limit", type=int, default=0, help="candidates a task at most (0: all)")
-    p.add_argument("--budget", type=float, default=0, help="seconds: start no task that would end after this")
-    p.add_argument("--out", help="the cache file to write (default: the user's cache for this device and versions)")
-    p.add_argument("--ship", action="store_true", help="write the package's shipped cache (llmkernels/ops/tuned/)")
+                    f"reads when it makes a launch plan on this GPU: {cache} (move it with "
+                    f"{_device.CACHE_DIR_VARIABLE}=DIR). Resumable: run the same command again to go on. Without a "
+                    "GPU, --tiny checks the command on the CPU.")
+    p.add_argument("--ops", default=listed(FAMILIES), metavar="FAMILY,...",
+                   help=f"kernel families, comma-separated (default {listed(FAMILIES)})")
+    p.add_argument("--widths", metavar="N,...",
+                   help=f"norm row widths, comma-separated (default: {listed(spaces.NORM_WIDTHS)})")
+    p.add_argument("--vocabs", metavar="V,...",
+                   help=f"cross-entropy vocabularies, comma-separated (default: {listed(spaces.VOCABS)})")
+    p.add_argument("--norm-ops", metavar="NORM,...",
+                   help=f"norms to tune, comma-separated (default: {listed(spaces.NORM_OPS)})")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="candidates a task at most (0: all)")
+    p.add_argument("--budget", type=float, default=0, metavar="SECONDS",
+                   help="start no task that would end after this many seconds (0: no limit)")
+    p.add_argument("--out", metavar="FILE",
+                   help="the cache file to write (default: the user's cache for this GPU and these Triton and "
+                        "llmkernels versions, above)")
+    p.add_argument("--ship", action="store_true",
+                   help="write the cache shipped with the package (llmkernels/ops/tuned/), for a GPU the project "
+                        "has measured")
     p.add_argument("--fresh", action="store_true", help="search every task again (default: skip those done)")
-    p.add_argument("--tiny", action="store_true", help="tiny tasks on CPU through Triton's interpreter (a check)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a check of this command on the CPU: a few tiny tasks through Triton's interpreter, timed "
+                        "by the clock (their times mean nothing)")
     return p
 
 
@@ -170,12 +199,17 @@ def main(argv=None) -> int:
 
     from .. import __version__
     from ..bench.runner import copy_bandwidth, free_memory
-    from ..ops import _device, _launch
+    from ..cli import kernels_or_rerun, quiet_interpreter
+    from ..ops import _device
 
-    if not torch.cuda.is_available() and not (args.tiny and _launch.INTERPRET):
-        print("llmkernels tune: needs a CUDA GPU (--tiny runs a check on CPU with TRITON_INTERPRET=1)",
-              file=sys.stderr)
-        return 2
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            print(NO_GPU.format(cache=_device.cache_dir(), variable=_device.CACHE_DIR_VARIABLE), file=sys.stderr)
+            return 2
+        rerun = kernels_or_rerun("llmkernels.cli", ["tune", *(sys.argv[1:] if argv is None else argv)])
+        if rerun is not None:
+            return rerun
+        quiet_interpreter()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = _device.model_of(device)
     path = args.out or (_device.shipped_cache_path(model.name) if args.ship else _device.user_cache_path(model.name))

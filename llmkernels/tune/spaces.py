@@ -23,7 +23,7 @@ from ..ops.configs import cross_entropy as ce
 from ..ops.configs import rope
 from ..ops.norm import BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig, SplitFwdConfig
 from ..ops.norm.tables import BWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX, backward_config, forward_config, row_block, tuned_name
-from ..ops.rope import rope_launch
+from ..ops.rope import RopeOptions, rope_launch
 
 NORM_WIDTHS = (1024, 2304, 4096, 5120, 8192, 14336, 18432, 32768, 53248, 65536, 131072)
 VOCABS = (32000, 128256, 262144)
@@ -156,8 +156,10 @@ def _rope_call(tiles: rope.RopeTiles):
     def fwd(q, k, cos, sin):
         b, hq, s, d = q.shape
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        rope_launch(q, k, cos, sin, None, False, d, False, q_out, k_out,
-                    config=rope.rope_config(b * s, hq, k.shape[1], d, tiles), layout="bhsd")
+        options = RopeOptions(interleaved=False, rotary_dim=d, backward=False, q_dtype=q.dtype, k_dtype=k.dtype,
+                              layout="bhsd")
+        rope_launch(q, k, cos, sin, None, options, q_out, k_out,
+                    config=rope.rope_config(b * s, hq, k.shape[1], d, tiles))
         return q_out, k_out
     return fwd
 

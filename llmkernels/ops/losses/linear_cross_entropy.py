@@ -113,7 +113,8 @@ def _weight_grads_by_vocab(hidden, weight, target, bias, lse, scale, options: Li
     _, gw, gb = vocab_grads(Head(hidden, weight, bias), lse, s * (1.0 + 2.0 * row.z_coef * lse),
                             need=(False, *options.need[1:]), c=s * (smoothing / v) if smoothing > 0 else None,
                             d=s * (1.0 - smoothing), target=target, ignore_index=row.ignore_index,
-                            softcap=row.softcap, cols=aligned_cols(max(1, chunk * v // max(m, 1)), v))
+                            softcap=row.softcap, cols=aligned_cols(max(1, chunk * v // max(m, 1)), v),
+                            logits_dtype=None)
     return gw, gb
 
 

@@ -6,15 +6,15 @@
 
 the primitive of RL and preference losses (GRPO, PPO, DPO: ``examples/post_training.py``).
 
-Forward: row chunks. Each chunk's logits ``[C, V] = hidden_chunk @ weight.T`` (cuBLAS, in
-hidden's dtype) are read once by ``_row_logp_kernel``, which keeps a running max, the sum of
+Forward: row chunks. Each chunk's logits ``[C, V] = hidden_chunk @ weight.T`` (cuBLAS, summed
+and kept in fp32) are read once by ``_row_logp_kernel``, which keeps a running max, the sum of
 ``exp(z - max)`` and (entropy) the sum of ``exp(z - max) * z``, and writes ``logp``,
 ``entropy``, ``lse`` and ``E_p[z]`` (fp32). Only ``lse`` and ``E_p[z]`` are kept for the
 backward.
 
 Backward: the upstream gradients of ``logp`` and ``entropy`` are known only now, so the logits
-are recomputed, over vocabulary chunks (``base.vocab_grads``): the gradient
-block is formed in place, the weight gradient of a chunk is one matmul over all rows (exact,
+are recomputed in fp32, over vocabulary chunks (``base.vocab_grads``): the gradient block is
+formed in hidden's dtype, the weight gradient of a chunk is one matmul over all rows (exact,
 no fp32 ``[V, H]`` accumulator) and the hidden gradient is summed in an fp32 ``[M, H]`` buffer.
 Matmuls: 1 (forward) + 3 (backward: logits again, weight gradient, hidden gradient), each of
 ``2 M H V`` flops; the unfused computation (logits, log_softmax, gather) does 3.
@@ -47,6 +47,11 @@ class LogProbsOptions(NamedTuple):
     vocab_chunk_size: Optional[int]  # vocabulary columns per backward chunk
     need: tuple[bool, ...]  # which of hidden, weight and bias want a gradient
 
+
+# The logits of both passes in fp32: the backward's, formed over vocabulary chunks by other GEMMs,
+# then differ from the forward's (whose lse and E_p[z] they are paired with) by fp32 rounding only,
+# which 1 / temperature magnifies far less than a bf16 rounding.
+LOGITS_DTYPE = torch.float32
 
 Outputs = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
 
@@ -83,8 +88,8 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     new_rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
     logp, lse = new_rows(), new_rows()
     entropy, mu = (new_rows(), new_rows()) if want_entropy else (None, None)
-    chunk = chunk_rows(m, v, hidden.element_size(), hidden.device, options.chunk_size)
-    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias)):
+    chunk = chunk_rows(m, v, LOGITS_DTYPE.itemsize, hidden.device, options.chunk_size)
+    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias), logits_dtype=LOGITS_DTYPE):
         launch(_row_logp_kernel, (logits.shape[0],), logits, rows(target), rows(logp), rows(or_stand_in(entropy, lse)),
                rows(lse), rows(or_stand_in(mu, lse)), v, logits.stride(0), ignore_index, 1.0 / options.temperature,
                ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
@@ -109,7 +114,7 @@ def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
     g2 = None if grad_entropy is None or not options.want_entropy else -grad_entropy.to(torch.float32)
     return vocab_grads(Head(hidden, weight, bias), lse, g1, need=options.need, b=g2, mu=None if g2 is None else mu,
                        d=g1, target=target, ignore_index=options.ignore_index, inv_temp=1.0 / options.temperature,
-                       cols=options.vocab_chunk_size, run=bwd)
+                       cols=options.vocab_chunk_size, logits_dtype=LOGITS_DTYPE, run=bwd)
 
 
 LOG_PROBS = vocab_loss_op("linear_log_probs", forward=_logp_forward, fake=_logp_fake, backward=_logp_backward,

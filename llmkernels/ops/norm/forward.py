@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._rowsplit import collect, collect_pair, keep_packed, publish, publish_pair, row_slice
 from .._triton import tl, triton
-from .tile import load_wb, scale_shift, shifted_var, sum_pair
+from .tile import load_wb, row_shift, scale_shift, shifted_var, sum_pair
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def norm_fwd_kernel(
             # sequence, nor two reductions each with its own shared-memory exchange), shifted by
             # the row's first element as in the blocked loop so that the variance does not
             # cancel when |mean| >> std.
-            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+            shift = row_shift(X, RES, rows64, row_mask, stride_x, stride_res, in_ty, HAS_RES)
             xs = tl.where(mask, x - shift[:, None], 0.0)
             sum_shifted, sum_sq = sum_pair(xs, xs * xs, 1)
             if TAIL_N:
@@ -93,7 +93,7 @@ def norm_fwd_kernel(
         if IS_RMS:
             shift = tl.zeros([BLOCK_M], dtype=tl.float32)
         else:
-            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+            shift = row_shift(X, RES, rows64, row_mask, stride_x, stride_res, in_ty, HAS_RES)
         acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
@@ -131,8 +131,9 @@ def norm_fwd_kernel(
                 x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                             eviction_policy="evict_first").to(tl.float32)
             w, b = load_wb(W, B, w_row + cols[None, :], mask, HAS_W, HAS_B)
-            y = scale_shift((x - mean[:, None]) * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B,
-                             ROUND_X_HAT)
+            if not IS_RMS:  # x - mean from the shifted values: the mean alone rounds at |mean| >> std
+                x = (x - shift[:, None]) - mean_shifted[:, None]
+            y = scale_shift(x * rstd[:, None], w, b, weight_offset, in_ty, HAS_W, HAS_B, ROUND_X_HAT)
             tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -232,7 +233,7 @@ def norm_fwd_split_kernel(
     if HAS_RES:
         r_next = row_slice(RES, row, stride_res, cols, M, N, 0.0)
     if not IS_RMS:
-        shift_next = _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty, HAS_RES)
+        shift_next = row_shift(X, RES, row, row < M, stride_x, stride_res, in_ty, HAS_RES)
     shift_now = 0.0
     shift_prev = 0.0
     for _ in range(group, M + groups, groups):
@@ -243,7 +244,7 @@ def norm_fwd_split_kernel(
             r_next = row_slice(RES, row + groups, stride_res, cols, M, N, 0.0)
         if not IS_RMS:
             shift_now = shift_next
-            shift_next = _fwd_split_shift(X, RES, row + groups, stride_x, stride_res, M, in_ty, HAS_RES)
+            shift_next = row_shift(X, RES, row + groups, row + groups < M, stride_x, stride_res, in_ty, HAS_RES)
         if row < M:
             if HAS_RES:
                 tl.store(H + row * stride_h + cols, x_now, mask=mask, eviction_policy="evict_last")
@@ -262,16 +263,6 @@ def norm_fwd_split_kernel(
                              ROUND_X_HAT, STORE_STATS, False)
         shift_prev = shift_now
         row += groups
-
-
-@triton.jit
-def _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty: tl.constexpr, HAS_RES: tl.constexpr):
-    """The row's first element (of h with a residual), by which LayerNorm's sums are shifted so
-    that its variance does not cancel when |mean| >> std; 0 past the last row."""
-    shift = tl.load(X + row * stride_x, mask=row < M, other=0.0).to(tl.float32)
-    if HAS_RES:
-        shift = (shift + tl.load(RES + row * stride_res, mask=row < M, other=0.0).to(tl.float32)).to(in_ty)
-    return shift.to(tl.float32)
 
 
 @triton.jit
@@ -299,7 +290,7 @@ def _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, c
         tl.store(H + row * stride_h + cols, x, mask=cols < tl.where(row < M, N, 0))
     shift = 0.0
     if not IS_RMS:
-        shift = _fwd_split_shift(X, RES, row, stride_x, stride_res, M, in_ty, HAS_RES)
+        shift = row_shift(X, RES, row, row < M, stride_x, stride_res, in_ty, HAS_RES)
     _fwd_split_publish(x.to(tl.float32), shift, mask, SLOTS + row * PARTS + part, IS_RMS, EVEN)
     return x, shift
 
@@ -327,7 +318,7 @@ def _fwd_split_write(row, x, shift, part, SLOTS, slot_idx, slot_mask, w, b, Y, M
         mean_shifted = tl.sum(sums, axis=0) / N
         var = shifted_var(mean_shifted, tl.sum(sums_sq, axis=0) / N)
         mean = shift + mean_shifted
-        x = x - mean  # columns past N: not stored
+        x = (x - shift) - mean_shifted  # (not x - mean: the mean alone rounds); columns past N: not stored
     rstd = tl.rsqrt(var + eps)
     if STORE_STATS:
         _store_stats(MEAN, RSTD, row, part == 0, mean, rstd, IS_RMS)

@@ -233,8 +233,9 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
 
 
 def _with_sums(handle, grid, slots, dots, partials: int, columns: int, switches: dict) -> BwdPlan:
-    """The plan, with the launch that sums ``partials`` rows of partials of ``columns`` dW / dB."""
-    if partials == 1:
+    """The plan, with the launch that sums ``partials`` rows of partials of ``columns`` dW / dB
+    (none without a weight and a bias: there is nothing to sum)."""
+    if partials == 1 or not (switches["weight"] or switches["bias"]):
         return BwdPlan(handle, grid, slots, dots, 1, None, ())
     block_n = min(SUMS_BLOCK_N, next_pow2(columns))
     sums = launcher_of(sum_partials_kernel, HAS_W=switches["weight"], HAS_B=switches["bias"], BLOCK_P=SUMS_BLOCK_P,

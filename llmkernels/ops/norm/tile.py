@@ -16,6 +16,16 @@ def shifted_var(mean_shifted, mean_sq_shifted):
 
 
 @triton.jit
+def row_shift(X, RES, rows, mask, stride_x, stride_res, in_ty: tl.constexpr, HAS_RES: tl.constexpr):
+    """The first element of each of ``rows`` of the norm's input (h = x + residual rounded to
+    ``in_ty`` with a residual; 0 where masked off): LayerNorm's shift."""
+    shift = tl.load(X + rows * stride_x, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        shift = (shift + tl.load(RES + rows * stride_res, mask=mask, other=0.0).to(tl.float32)).to(in_ty)
+    return shift.to(tl.float32)
+
+
+@triton.jit
 def _add_pair(a0, b0, a1, b1):
     """Combine function of two sums taken in one reduction (``tl.reduce((a, b), axis, _add_pair)``):
     one pass through shared memory and its barriers instead of two."""

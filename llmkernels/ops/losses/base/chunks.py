@@ -3,10 +3,11 @@
 A loss over ``hidden [M, H]`` and a head ``weight [V, H]`` (``bias [V]``) never holds the
 ``[M, V]`` logits: it goes over row chunks (``row_chunks``: ``[C, V]`` logits of C rows at a
 time) or over vocabulary chunks (``vocab_chunks``: ``[M, Cv]`` logits of Cv classes at a time),
-each chunk's logits made by cuBLAS in hidden's dtype into one buffer that every chunk reuses (a
-fresh product per chunk would be allocated while the previous one is still referenced: two
-chunks' logits at the peak). ``chunk_rows`` / ``chunk_cols`` size the chunks in bytes of logits
-(``configs/linear_losses.py``); ``logsumexp_rows`` is the row pass that most losses start with.
+each chunk's logits made by cuBLAS into one buffer that every chunk reuses (a fresh product per
+chunk would be allocated while the previous one is still referenced: two chunks' logits at the
+peak), in hidden's dtype or, where a loss asks (``logits_dtype``), summed and kept in fp32.
+``chunk_rows`` / ``chunk_cols`` size the chunks in bytes of logits (``configs/linear_losses.py``);
+``logsumexp_rows`` is the row pass that most losses start with.
 """
 from __future__ import annotations
 
@@ -29,11 +30,22 @@ class Head(NamedTuple):
     bias: Optional[torch.Tensor] = None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor):
-    """``hidden @ weight.T (+ bias)`` written into ``out`` (contiguous: cuBLAS writes it in place)."""
-    if bias is None:
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor):
+    """``out = hidden @ weight.T (+ bias)``, returned (contiguous: cuBLAS writes it in place). With
+    ``out`` wider than hidden (fp32 logits of bf16 inputs) the products are summed in fp32 and never
+    rounded to hidden's dtype, so that logits formed in another pass, by other shapes and GEMM
+    kernels, differ from these by fp32 rounding only: what a backward that pairs recomputed logits
+    with the forward's statistics needs."""
+    if out.dtype == hidden.dtype and bias is None:
         return torch.mm(hidden, weight.t(), out=out)
-    return torch.addmm(bias, hidden, weight.t(), out=out)
+    if out.dtype == hidden.dtype:
+        return torch.addmm(bias, hidden, weight.t(), out=out)
+    if bias is None:
+        accumulate_mm(out, hidden, weight.t(), beta=0)
+    else:
+        out.copy_(bias.expand_as(out))
+        accumulate_mm(out, hidden, weight.t())
+    return out
 
 
 def _every_row(t):
@@ -51,29 +63,31 @@ def _rows(a: int, b: int):
     return rows
 
 
-def row_chunks(chunk: int, *heads: Head) -> Iterator[tuple]:
+def row_chunks(chunk: int, *heads: Head, logits_dtype: Optional[torch.dtype] = None) -> Iterator[tuple]:
     """For each chunk of ``chunk`` rows: ``(rows, *logits)``, ``rows(t)`` the chunk's rows of a
     per-row tensor ``t`` (``t`` itself where one chunk holds every row; ``rows.span`` their slice,
-    for other dims) and one ``[rows, V]`` block of logits per head (the heads share M and V)."""
+    for other dims) and one ``[rows, V]`` block of logits per head (the heads share M and V), in
+    ``logits_dtype`` (default each hidden's)."""
     m = heads[0].hidden.shape[0]
-    buffers = [h.hidden.new_empty((min(chunk, m), h.weight.shape[0])) for h in heads]
+    buffers = [h.hidden.new_empty((min(chunk, m), h.weight.shape[0]), dtype=logits_dtype or h.hidden.dtype)
+               for h in heads]
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
         whole = b - a == m
         rows = _every_row if whole else _rows(a, b)
-        yield (rows, *[_logits(rows(h.hidden), h.weight, h.bias, buffer if whole else buffer[: b - a])
+        yield (rows, *[head_logits(rows(h.hidden), h.weight, h.bias, buffer if whole else buffer[: b - a])
                        for h, buffer in zip(heads, buffers)])
 
 
-def vocab_chunks(cols: int, *heads: Head) -> Iterator[tuple]:
+def vocab_chunks(cols: int, *heads: Head, logits_dtype: Optional[torch.dtype] = None) -> Iterator[tuple]:
     """For each chunk of ``cols`` classes ``[v0, v0 + n)``: ``(v0, n, *logits)``, one ``[M, n]``
-    block of logits per head (contiguous)."""
+    block of logits per head (contiguous), in ``logits_dtype`` (default each hidden's)."""
     m, v = heads[0].hidden.shape[0], heads[0].weight.shape[0]
-    buffers = [h.hidden.new_empty(m * min(cols, v)) for h in heads]
+    buffers = [h.hidden.new_empty(m * min(cols, v), dtype=logits_dtype or h.hidden.dtype) for h in heads]
     for v0 in range(0, v, cols):
         n = min(v, v0 + cols) - v0
-        yield (v0, n, *[_logits(h.hidden, h.weight[v0:v0 + n], None if h.bias is None else h.bias[v0:v0 + n],
-                                buffer[: m * n].view(m, n)) for h, buffer in zip(heads, buffers)])
+        yield (v0, n, *[head_logits(h.hidden, h.weight[v0:v0 + n], None if h.bias is None else h.bias[v0:v0 + n],
+                                    buffer[: m * n].view(m, n)) for h, buffer in zip(heads, buffers)])
 
 
 def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_size: Optional[int] = None,
@@ -111,18 +125,15 @@ def _fit(n: int, other: int, element_size: int, device: torch.device, chunk_byte
     return cdiv(n, cdiv(n, size)) if n else 1
 
 
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16 products,
-    in cuBLAS's epilogue on CUDA: no temporary of ``acc``'s size)."""
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """``acc = beta * acc + a @ b`` with ``acc`` possibly wider than ``a, b`` (fp32 sums of bf16
+    products, in cuBLAS's epilogue on CUDA: no temporary of ``acc``'s size); ``beta`` 0 or 1."""
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (TypeError, RuntimeError):  # a torch without addmm's out_dtype: products rounded to a's dtype
-            acc += torch.mm(a, b).to(acc.dtype)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 @triton.jit
@@ -135,12 +146,14 @@ def _logsumexp_kernel(X, LSE, V, stride_x, inv_temp, BLOCK_V: tl.constexpr):
 
 def logsumexp_rows(head: Head, chunk_size: Optional[int] = None, inv_temp: float = 1.0) -> torch.Tensor:
     """The fp32 logsumexp ``[M]`` of every row of ``head``'s logits times ``inv_temp``, over row
-    chunks of ``chunk_size`` rows (default: ``chunk_bytes`` of logits)."""
+    chunks of ``chunk_size`` rows (default: ``chunk_bytes`` of logits), the logits summed and kept
+    in fp32 (as ``vocab_grads`` recomputes them by default)."""
     hidden, weight = head.hidden, head.weight
     m, v = hidden.shape[0], weight.shape[0]
     lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
     kernel = DEFAULT_CONFIG.kernel("logsumexp")
-    for rows, logits in row_chunks(chunk_rows(m, v, hidden.element_size(), hidden.device, chunk_size), head):
+    chunk = chunk_rows(m, v, torch.float32.itemsize, hidden.device, chunk_size)
+    for rows, logits in row_chunks(chunk, head, logits_dtype=torch.float32):
         launch(_logsumexp_kernel, (logits.shape[0],), logits, rows(lse), v, logits.stride(0), inv_temp,
                BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
     return lse

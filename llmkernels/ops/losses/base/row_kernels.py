@@ -219,6 +219,8 @@ def ce_kernel(
             tl.store(LSE + rows, lse, mask=row_mask)
 
         if GRAD:
+            if FORWARD:  # DX may be X: every thread's read of z[target] before any thread's store
+                tl.debug_barrier()
             scale = tl.full([BLOCK_M], 1.0, tl.float32) * count_scale
             if HAS_G:
                 scale *= tl.load(G + rows64 * stride_g, mask=row_mask, other=0.0).to(tl.float32)
@@ -294,6 +296,7 @@ def ce_fused_split_kernel(
         if PARTS == 1:  # nothing to exchange
             x_next = row_slice(X, next_row, stride_x, cols, M, V, float("-inf"))
             lse = m_ref + tl.log(s_part)
+            tl.debug_barrier()  # DX may be X: every thread's read of z[target] before any thread's store
         else:
             slot = SLOTS + (row * PARTS + part) * 4
             publish(slot, m_part)

@@ -42,11 +42,12 @@ from .row_kernels import softcapped, through_softcap
 
 
 @triton.jit
-def _vocab_grad_kernel(X, T, LSE, MU, A, B, C, D, M, N, v0, stride_x, ignore_index, inv_temp, softcap,
-                       HAS_TARGET: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr, HAS_D: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-    """``X [M, N]`` (columns ``v0 .. v0 + N`` of the logits) overwritten with ``G`` (module
-    notes); A, B, C, D, MU, LSE: fp32 ``[M]``. Grid: (M, cdiv(N, BLOCK))."""
+def _vocab_grad_kernel(X, G_OUT, T, LSE, MU, A, B, C, D, M, N, v0, stride_x, stride_g, ignore_index, inv_temp,
+                       softcap, HAS_TARGET: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
+                       HAS_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """``G_OUT [M, N]`` (``X`` itself, or a buffer of hidden's dtype) written with ``G`` (module
+    notes) of the logits ``X [M, N]``, columns ``v0 .. v0 + N``; A, B, C, D, MU, LSE: fp32
+    ``[M]``. Grid: (M, cdiv(N, BLOCK))."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -65,7 +66,7 @@ def _vocab_grad_kernel(X, T, LSE, MU, A, B, C, D, M, N, v0, stride_x, ignore_ind
     g = through_softcap(g, z, softcap, HAS_SOFTCAP) * inv_temp
     if HAS_TARGET:
         g = tl.where(t != ignore_index, g, 0.0)
-    tl.store(X + row * stride_x + cols, g.to(X.dtype.element_ty), mask=mask)
+    tl.store(G_OUT + row * stride_g + cols, g.to(G_OUT.dtype.element_ty), mask=mask)
 
 
 class VocabGradOptions(NamedTuple):
@@ -76,6 +77,7 @@ class VocabGradOptions(NamedTuple):
     inv_temp: float  # 1 / temperature: the logits are scaled by it
     softcap: Optional[float]  # the logits' soft cap, or None
     cols: Optional[int]  # columns per chunk (None: ``chunk_bytes`` of logits)
+    logits_dtype: Optional[torch.dtype]  # the logits' (None: hidden's, the gradient written over them)
 
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -99,14 +101,19 @@ def _vocab_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                 t.zero_()
     else:
         kernel = DEFAULT_CONFIG.kernel("vocab_grad")
-        cols = options.cols or chunk_cols(m, v, hidden.element_size(), hidden.device)
+        logits_dtype = options.logits_dtype or hidden.dtype
+        apart = logits_dtype != hidden.dtype  # the gradient then goes to a buffer of hidden's dtype
+        cols = options.cols or chunk_cols(m, v, hidden.element_size() + apart * logits_dtype.itemsize, hidden.device)
+        buffer = hidden.new_empty(m * min(cols, v)) if apart else None
         softcap = options.softcap
-        for v0, n, block in vocab_chunks(cols, Head(hidden, weight, bias)):
-            launch(_vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), block, or_stand_in(target, lse), lse,
+        for v0, n, logits in vocab_chunks(cols, Head(hidden, weight, bias), logits_dtype=logits_dtype):
+            block = buffer[: m * n].view(m, n) if apart else logits
+            launch(_vocab_grad_kernel, (m, cdiv(n, kernel.block_v)), logits, block, or_stand_in(target, lse), lse,
                    or_stand_in(mu, lse), a, or_stand_in(b, a), or_stand_in(c, a), or_stand_in(d, a), m, n, v0,
-                   block.stride(0), options.ignore_index, options.inv_temp, 1.0 if softcap is None else softcap,
-                   HAS_TARGET=target is not None, HAS_B=b is not None, HAS_C=c is not None, HAS_D=d is not None,
-                   HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v, num_warps=kernel.num_warps)
+                   logits.stride(0), block.stride(0), options.ignore_index, options.inv_temp,
+                   1.0 if softcap is None else softcap, HAS_TARGET=target is not None, HAS_B=b is not None,
+                   HAS_C=c is not None, HAS_D=d is not None, HAS_SOFTCAP=softcap is not None, BLOCK=kernel.block_v,
+                   num_warps=kernel.num_warps)
             if need_w:
                 torch.mm(block.t(), hidden, out=grad_weight[v0:v0 + n])
             if need_b:
@@ -133,14 +140,16 @@ def vocab_grads(head: Head, lse: torch.Tensor, a: torch.Tensor, *, need: tuple, 
                 mu: Optional[torch.Tensor] = None, c: Optional[torch.Tensor] = None,
                 d: Optional[torch.Tensor] = None, target: Optional[torch.Tensor] = None, ignore_index: int = -100,
                 inv_temp: float = 1.0, softcap: Optional[float] = None, cols: Optional[int] = None,
-                run=_vocab_grads) -> tuple:
+                logits_dtype: Optional[torch.dtype] = torch.float32, run=_vocab_grads) -> tuple:
     """``(grad_hidden, grad_weight, grad_bias)`` of the loss whose gradient with respect to the
     logits the module notes describe (each None unless ``need``-ed): ``lse`` and the
     coefficients fp32 ``[M]`` (``b`` with ``mu``; ``d`` with ``target``); ``cols``: columns per
-    vocabulary chunk. ``run``: the launcher, or in a loss's backward its ``bwd`` (the custom op
-    under torch.compile: ``vocab_loss_op``)."""
+    vocabulary chunk. ``logits_dtype``: the recomputed logits', as the forward formed those its
+    ``lse`` came from (fp32 by default, as ``logsumexp_rows``: recomputed by other GEMMs they then
+    differ by fp32 rounding only; None: hidden's). ``run``: the launcher, or in a loss's backward
+    its ``bwd`` (the custom op under torch.compile: ``vocab_loss_op``)."""
     if d is not None and target is None:
         raise ValueError("vocab_grads: the coefficient d multiplies onehot(target): give the target")
     grads = run(head.hidden, head.weight, head.bias, target, lse, a, b, mu, c, d,
-                VocabGradOptions(tuple(need), ignore_index, inv_temp, softcap, cols))
+                VocabGradOptions(tuple(need), ignore_index, inv_temp, softcap, cols, logits_dtype))
     return tuple(g if n else None for g, n in zip(grads, need))

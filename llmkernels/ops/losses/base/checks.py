@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from ..._args import check_tensor
-from .chunks import Head
 from .sharded import gathered
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -79,12 +78,12 @@ def check_target(target, m: int, like: torch.Tensor, rows_of: str) -> None:
                          f"got {list(target.shape)}")
 
 
-def checked_head(hidden, weight, bias=None) -> Head:
-    """The head of a loss's arguments ``hidden``, ``weight`` and ``bias``, checked as
-    :func:`check_head` does; a DTensor weight or bias gathered for the call."""
+def checked_head(hidden, weight, bias=None) -> tuple:
+    """A loss's ``(hidden, weight, bias)``, checked as :func:`check_head` does; a DTensor weight
+    or bias gathered for the call."""
     weight, bias = gathered(weight, hidden), gathered(bias, hidden)
     check_head("hidden", hidden, "weight", weight, "bias", bias)
-    return Head(hidden, weight, bias)
+    return hidden, weight, bias
 
 
 def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: str = "bias", bias=None, *,

@@ -11,7 +11,7 @@ peak), in hidden's dtype or, where a loss asks (``logits_dtype``), summed and ke
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -63,7 +63,7 @@ def _rows(a: int, b: int):
     return rows
 
 
-def row_chunks(chunk: int, *heads: Head, logits_dtype: Optional[torch.dtype] = None) -> Iterator[tuple]:
+def row_chunks(chunk: int, *heads: Head, logits_dtype: Optional[torch.dtype] = None) -> Iterable[tuple]:
     """For each chunk of ``chunk`` rows: ``(rows, *logits)``, ``rows(t)`` the chunk's rows of a
     per-row tensor ``t`` (``t`` itself where one chunk holds every row; ``rows.span`` their slice,
     for other dims) and one ``[rows, V]`` block of logits per head (the heads share M and V), in
@@ -71,11 +71,17 @@ def row_chunks(chunk: int, *heads: Head, logits_dtype: Optional[torch.dtype] = N
     m = heads[0].hidden.shape[0]
     buffers = [h.hidden.new_empty((min(chunk, m), h.weight.shape[0]), dtype=logits_dtype or h.hidden.dtype)
                for h in heads]
+    if 0 < m <= chunk:  # one chunk of every row: a list (a generator costs the host more than the loop)
+        return [(_every_row, *[head_logits(h.hidden, h.weight, h.bias, buffer) for h, buffer in zip(heads, buffers)])]
+    return _chunks_of_rows(chunk, m, heads, buffers)
+
+
+def _chunks_of_rows(chunk: int, m: int, heads: tuple, buffers: list) -> Iterator[tuple]:
+    """``row_chunks`` of several chunks (or of no rows), made one at a time into the buffers."""
     for a in range(0, m, chunk):
         b = min(m, a + chunk)
-        whole = b - a == m
-        rows = _every_row if whole else _rows(a, b)
-        yield (rows, *[head_logits(rows(h.hidden), h.weight, h.bias, buffer if whole else buffer[: b - a])
+        rows = _rows(a, b)
+        yield (rows, *[head_logits(rows(h.hidden), h.weight, h.bias, buffer[: b - a])
                        for h, buffer in zip(heads, buffers)])
 
 

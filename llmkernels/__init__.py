@@ -22,6 +22,10 @@ _EXPORTS = {
     "linear_cross_entropy": ".ops.losses.linear_cross_entropy",
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
+    "moe_route": ".ops.moe",
+    "moe_load_balancing_loss": ".ops.moe",
+    "moe_router_z_loss": ".ops.moe",
+    "RouterOptions": ".ops.moe",
     "vocab_parallel_cross_entropy": ".parallel.vocab_parallel",
     "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel_linear",
     "RMSNorm": ".modules",
@@ -34,7 +38,7 @@ _EXPORTS = {
     "PatchReport": ".hf",
 }
 
-_SUBMODULES = ("ops", "parallel", "reference", "modules", "hf", "hf_kernels", "bench", "scaling")
+_SUBMODULES = ("ops", "parallel", "reference", "reference_moe", "modules", "hf", "hf_kernels", "bench", "scaling")
 
 __all__ = [*_EXPORTS, "__version__"]
 

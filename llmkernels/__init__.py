@@ -22,6 +22,7 @@ _EXPORTS = {
     "linear_cross_entropy": ".ops.losses.linear_cross_entropy",
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
+    "moe_experts": ".ops.moe",
     "moe_route": ".ops.moe",
     "moe_load_balancing_loss": ".ops.moe",
     "moe_router_z_loss": ".ops.moe",

@@ -23,6 +23,7 @@ _EXPORTS = {
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
     "moe_experts": ".ops.moe",
+    "ExpertLora": ".ops.moe",
     "moe_route": ".ops.moe",
     "moe_load_balancing_loss": ".ops.moe",
     "moe_router_z_loss": ".ops.moe",

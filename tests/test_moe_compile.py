@@ -58,11 +58,14 @@ def test_compiled_layer_matches_eager(layout):
 
 
 def test_experts_custom_op_opcheck():
-    """Schema, fake kernels (shapes, dtypes and strides of every output), autograd registration."""
+    """Schema, fake kernels (shapes, dtypes and strides of every output), autograd registration;
+    with adapters on both projections."""
     gate_up, down = _weights()
     x = torch.randn(T, H, device=DEVICE, requires_grad=True)
     weights, index = lk.moe_route(torch.randn(T, E, device=DEVICE), RouterOptions(K))
-    options = ExpertsOptions("silu", False, 1.702, 7.0)
-    args = (x, index, weights.requires_grad_(), gate_up, down, None, None, *flat_fields(options))
+    lora = [(torch.randn(*shape, device=DEVICE) * 0.1).requires_grad_()
+            for shape in ((E, 4, H), (E, 2 * I, 4), (E, 4, I), (E, H, 4))]
+    options = ExpertsOptions("silu", False, 1.702, 7.0, 0.5)
+    args = (x, index, weights.requires_grad_(), gate_up, down, None, None, *lora, *flat_fields(options))
     torch.library.opcheck(torch.ops.llmkernels.moe_experts_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -3,7 +3,7 @@ expert weights in, and the plain-PyTorch fallback where no kernel can run."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -12,6 +12,18 @@ from .._launch import as_rows, check_tensor, use_kernels
 from .configs import MoeConfig
 from .experts import ACTIVATIONS, ExpertsOptions
 from .register import EXPERTS
+
+
+class ExpertLora(NamedTuple):
+    """Rank-r LoRA adapters on every expert's projections, in the logical orientation whatever
+    the weights' layout: ``gate_up = (A [E, r, H], B [E, 2I, r])`` (B's rows in the weight's own
+    gate/up order), ``down = (A [E, r, I], B [E, H, r])``, either None; the projection becomes
+    ``x W[e]^T + scale * (x A[e]^T) B[e]^T`` (``scale``: PEFT's ``lora_alpha / r``). Adapters
+    may be float32 beside bf16 weights (PEFT's default); they are read in x's dtype."""
+
+    gate_up: Optional[tuple] = None
+    down: Optional[tuple] = None
+    scale: float = 1.0
 
 
 def _check_float(name: str, value) -> float:
@@ -57,11 +69,37 @@ def _check_weights(x, gate_up, down, gate_up_bias, down_bias) -> None:
             raise TypeError(f"{name} dtype {b.dtype} must equal x dtype {x.dtype}")
 
 
+def _check_lora(x, lora, gate_up, down) -> tuple:
+    """The four adapter tensors of ``lora`` (None where absent), checked against the weights."""
+    if lora is None:
+        return None, None, None, None
+    if not isinstance(lora, ExpertLora):
+        raise TypeError(f"lora must be an ExpertLora, got {type(lora).__name__}")
+    _check_float("lora.scale", lora.scale)
+    tensors = []
+    for name, pair, weight in (("gate_up", lora.gate_up, gate_up), ("down", lora.down, down)):
+        if pair is None:
+            tensors += [None, None]
+            continue
+        n_experts, n, k = weight.shape
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"lora.{name} must be a pair (A, B) or None")
+        a, b = pair
+        check_tensor(f"lora.{name}[0]", a, like=x)
+        check_tensor(f"lora.{name}[1]", b, like=x)
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != n_experts or a.shape[2] != k or b.shape[:2] != (n_experts, n) \
+                or b.shape[2] != a.shape[1] or a.shape[1] < 1:
+            raise ValueError(f"lora.{name} must be A [{n_experts}, r, {k}] and B [{n_experts}, {n}, r], got "
+                             f"{list(a.shape)} and {list(b.shape)}")
+        tensors += [a, b]
+    return tuple(tensors)
+
+
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, *, gate_up_bias: Optional[torch.Tensor] = None,
                 down_bias: Optional[torch.Tensor] = None, activation: str = "silu", interleaved: bool = False,
                 transposed: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                config: Optional[MoeConfig] = None) -> torch.Tensor:
+                lora: Optional[ExpertLora] = None, config: Optional[MoeConfig] = None) -> torch.Tensor:
     """The routed experts of a Mixture-of-Experts layer, as grouped GEMMs (transformers' experts
     interface: ``experts(hidden_states, top_k_index, top_k_weights)``).
 
@@ -82,11 +120,14 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
             with ``alpha`` and ``limit``).
         interleaved: gate and up alternate along ``2I`` (gpt-oss) instead of gate's ``I``
             columns first.
+        lora: rank-r adapters on the projections (an :class:`ExpertLora`), in the same grouped
+            kernels; freeze the weights (``requires_grad=False``) to train the adapters alone.
         config: the kernels' launch configuration (a ``MoeConfig``; tests and tuning, eager
             calls only).
 
     Returns:
-        ``[..., H]`` in x's dtype, differentiable in x, top_k_weights, the weights and biases.
+        ``[..., H]`` in x's dtype, differentiable in x, top_k_weights, the weights, biases and
+        adapters (only the gradients that are needed are formed).
         The routing is sorted once per call; every gradient is summed in a fixed order (bitwise
         deterministic run to run).
     """
@@ -101,7 +142,9 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not isinstance(interleaved, bool) or not isinstance(transposed, bool):
         raise TypeError("interleaved and transposed must be bools")
-    options = ExpertsOptions(activation, interleaved, _check_float("alpha", alpha), _check_float("limit", limit))
+    adapters = _check_lora(x, lora, gate_up, down)
+    options = ExpertsOptions(activation, interleaved, _check_float("alpha", alpha), _check_float("limit", limit),
+                             1.0 if lora is None else float(lora.scale))
     if config is not None and not isinstance(config, MoeConfig):
         raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
     shape, hidden, k = x.shape, x.shape[-1], top_k_index.shape[-1]
@@ -111,7 +154,8 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         out = reference_moe.experts(rows, index, weights, gate_up, down, gate_up_bias, down_bias,
                                     activation=activation, interleaved=interleaved, alpha=options.alpha,
-                                    limit=options.limit, compute_dtype=compute)
+                                    limit=options.limit, compute_dtype=compute,
+                                    lora=None if lora is None else reference_moe.Lora(*lora))
         return out.view(shape)
-    (out,) = EXPERTS(rows, index, weights, gate_up, down, gate_up_bias, down_bias, options, config=config)
+    (out,) = EXPERTS(rows, index, weights, gate_up, down, gate_up_bias, down_bias, *adapters, options, config=config)
     return out.view(shape)

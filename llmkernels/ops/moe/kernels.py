@@ -62,15 +62,32 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 def _mma(acc, A, a_off, a_mask, B, cols, c_mask, stride_bk, stride_bn, K,
          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """``acc += A[a_off, :K] @ B[:K, cols]``: rows of A at element offsets ``a_off`` (int64,
-    unit stride along K), B through its strides."""
+    unit stride along K), B through its strides and cast to A's dtype (an fp32 LoRA adapter
+    beside bf16 activations)."""
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(A + a_off[:, None] + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(B + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_mask[:, None] & c_mask[None, :],
                     other=0.0)
-        acc = _dot(a, b, acc, PRECISION)
+        acc = _dot(a, b.to(a.dtype), acc, PRECISION)
     return acc
+
+
+@triton.jit
+def _mma_pair(acc_g, acc_u, A, a_off, a_mask, B, gate_cols, up_cols, c_mask, stride_bk, stride_bn, K,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``_mma`` into two accumulators, B's gate and up columns, each A tile loaded once."""
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(A + a_off[:, None] + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & c_mask[None, :]
+        b_gate = tl.load(B + ks[:, None] * stride_bk + gate_cols[None, :] * stride_bn, mask=b_mask, other=0.0)
+        b_up = tl.load(B + ks[:, None] * stride_bk + up_cols[None, :] * stride_bn, mask=b_mask, other=0.0)
+        acc_g = _dot(a, b_gate.to(a.dtype), acc_g, PRECISION)
+        acc_u = _dot(a, b_up.to(a.dtype), acc_u, PRECISION)
+    return acc_g, acc_u
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,44 +130,49 @@ def _gated_grads(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.con
 # forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, GU, HS, E, K, N, stride_x, stride_we, stride_wk,
-                   stride_wn, stride_be, up_offset, alpha, limit,
-                   PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K, N, R, stride_x, stride_we,
+                   stride_wk, stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, up_offset, alpha,
+                   limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """``gate, up = X[token] @ W[e]`` (+ bias) for a tile of sorted rows and N = I columns, the
-    tokens gathered on load; stores ``HS [S, I] = gated(gate, up)`` and, with STORE_GU, the
-    rounded ``gate, up`` in ``GU [S, 2I]`` for the backward."""
+    tokens gathered on load; with HAS_LORA ``+ LA[row] @ LB[e]`` (``LA [S, R]``: the rows'
+    scaled LoRA inputs ``s x A^T``). Stores ``HS [S, I] = gated(gate, up)`` and, with STORE_GU,
+    the rounded ``gate, up`` in ``GU [S, 2I]`` for the backward."""
     e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
     if e >= E:
         return
     token = (_slots(ORDER, rows, r_mask) // TOP_K).to(tl.int64)
     gate_cols, up_cols = cols * PAIR, cols * PAIR + up_offset
-    w = W + e.to(tl.int64) * stride_we
-    acc_g = _mma(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), X, token * stride_x, r_mask, w, gate_cols, c_mask,
-                 stride_wk, stride_wn, K, BLOCK_K, PRECISION)
-    acc_u = _mma(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), X, token * stride_x, r_mask, w, up_cols, c_mask,
-                 stride_wk, stride_wn, K, BLOCK_K, PRECISION)
+    rows64 = rows.to(tl.int64)
+    acc_g, acc_u = _mma_pair(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+                             X, token * stride_x, r_mask, W + e.to(tl.int64) * stride_we, gate_cols, up_cols, c_mask,
+                             stride_wk, stride_wn, K, BLOCK_K, PRECISION)
+    if HAS_LORA:
+        acc_g, acc_u = _mma_pair(acc_g, acc_u, LA, rows64 * stride_la, r_mask, LB + e * stride_lbe, gate_cols,
+                                 up_cols, c_mask, stride_lbk, stride_lbn, R, BLOCK_R, PRECISION)
     if HAS_BIAS:
         acc_g += tl.load(BIAS + e * stride_be + gate_cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(BIAS + e * stride_be + up_cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     dtype = HS.dtype.element_ty
     g, u = _round(acc_g, dtype), _round(acc_u, dtype)
     mask = r_mask[:, None] & c_mask[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
     if STORE_GU:
-        tl.store(GU + rows64 * (2 * N) + gate_cols[None, :], g.to(dtype), mask=mask)
-        tl.store(GU + rows64 * (2 * N) + up_cols[None, :], u.to(dtype), mask=mask)
-    tl.store(HS + rows64 * N + cols[None, :], _gated(g, u, alpha, limit, ACTIVATION, dtype).to(dtype), mask=mask)
+        tl.store(GU + rows64[:, None] * (2 * N) + gate_cols[None, :], g.to(dtype), mask=mask)
+        tl.store(GU + rows64[:, None] * (2 * N) + up_cols[None, :], u.to(dtype), mask=mask)
+    tl.store(HS + rows64[:, None] * N + cols[None, :], _gated(g, u, alpha, limit, ACTIVATION, dtype).to(dtype),
+             mask=mask)
 
 
 @triton.jit
-def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, C, E, K, N, stride_a, stride_we, stride_wk,
-                      stride_wn, stride_be, stride_c,
+def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, C, E, K, N, R, stride_a, stride_we, stride_wk,
+                      stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_c, scale,
                       TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """``C[out_row] = A[a_row] @ W[e]`` (+ bias) for a tile of sorted rows: ``a_row`` the row
-    itself or, GATHER_A, its token; ``out_row`` the row itself or, SCATTER_C, its slot id."""
+                      HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """``C[out_row] = scale * A[a_row] @ W[e]`` (+ ``LA[row] @ LB[e]``, + bias) for a tile of
+    sorted rows: ``a_row`` the row itself or, GATHER_A, its token; ``out_row`` the row itself
+    or, SCATTER_C, its slot id."""
     e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
     if e >= E:
         return
@@ -158,7 +180,10 @@ def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, C, E, K, N, strid
         slots = _slots(ORDER, rows, r_mask)
     a_rows = (slots // TOP_K if GATHER_A else rows).to(tl.int64)
     acc = _mma(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), A, a_rows * stride_a, r_mask,
-               W + e.to(tl.int64) * stride_we, cols, c_mask, stride_wk, stride_wn, K, BLOCK_K, PRECISION)
+               W + e.to(tl.int64) * stride_we, cols, c_mask, stride_wk, stride_wn, K, BLOCK_K, PRECISION) * scale
+    if HAS_LORA:
+        acc = _mma(acc, LA, rows.to(tl.int64) * stride_la, r_mask, LB + e * stride_lbe, cols, c_mask, stride_lbk,
+                   stride_lbn, R, BLOCK_R, PRECISION)
     if HAS_BIAS:
         acc += tl.load(BIAS + e * stride_be + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     out_rows = (slots if SCATTER_C else rows).to(tl.int64)
@@ -194,16 +219,17 @@ def combine_kernel(Y, INDEX, WEIGHTS, OUT, T, N, E, stride_i, stride_ij, stride_
 # backward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, GU, WEIGHTS, DGU, HS, P, E, K, N, stride_dy, stride_we,
-                    stride_wk, stride_wn, stride_p, up_offset, alpha, limit,
-                    PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, STORE_H: tl.constexpr,
-                    STORE_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, LA, LB, GU, WEIGHTS, DGU, HS, P, E, K, N, R, stride_dy,
+                    stride_we, stride_wk, stride_wn, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_p,
+                    up_offset, alpha, limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
+                    HAS_LORA: tl.constexpr, STORE_H: tl.constexpr, STORE_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """The down projection's and the activation's backward for a tile of sorted rows and
-    N = I columns: ``g = DY[token] @ W[e]`` (the tokens gathered on load), then from the saved
-    ``GU``: ``DGU = d(gate, up)`` of ``dh = w * g``; with STORE_H the recomputed ``h`` in
-    ``HS`` (for the down weight's gradient); with STORE_P ``P[slot, column tile] = sum_n g * h``,
-    this column tile's part of the routing weight's gradient ``<dy, y>``."""
+    N = I columns: ``g = DY[token] @ W[e]`` (the tokens gathered on load; with HAS_LORA
+    ``+ LA[row] @ LB[e]``, the adapter's part ``s (dy B) A``), then from the saved ``GU``:
+    ``DGU = d(gate, up)`` of ``dh = w * g``; with STORE_H the recomputed ``h`` in ``HS`` (for
+    the down weight's gradient); with STORE_P ``P[slot, column tile] = sum_n g * h``, this
+    column tile's part of the routing weight's gradient ``<dy, y>``."""
     e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
     if e >= E:
         return
@@ -211,6 +237,9 @@ def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, GU, WEIGHTS, DGU, HS, P,
     token = (slots // TOP_K).to(tl.int64)
     g = _mma(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DY, token * stride_dy, r_mask,
              W + e.to(tl.int64) * stride_we, cols, c_mask, stride_wk, stride_wn, K, BLOCK_K, PRECISION)
+    if HAS_LORA:
+        g = _mma(g, LA, rows.to(tl.int64) * stride_la, r_mask, LB + e * stride_lbe, cols, c_mask, stride_lbk,
+                 stride_lbn, R, BLOCK_R, PRECISION)
     mask = r_mask[:, None] & c_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     gate_cols, up_cols = (cols * PAIR)[None, :], (cols * PAIR + up_offset)[None, :]

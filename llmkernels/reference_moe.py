@@ -15,13 +15,14 @@ Conventions (those of transformers 5.x):
     times up, as the eager MLPs compute it) and gpt-oss's ``clamped_swiglu``
     (``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``).
   - LoRA on an expert projection ``w [E, N, K]`` (logical): ``A [E, r, K]``, ``B [E, N, r]``, the
-    projection ``x w[e]^T + scale * (x A[e]^T) B[e]^T``.
+    projection ``x w[e]^T + (scale * x A[e]^T) B[e]^T``, the adapters read in the model's dtype
+    and the rank-r rows ``scale * x A[e]^T`` rounded to it.
 
 Nothing here imports llmkernels.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -120,27 +121,34 @@ class Lora(NamedTuple):
     scale: float
 
 
+def rounded(t: torch.Tensor, dtype: torch.dtype, round_to: Optional[Callable] = None) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` (to nearest, or by ``round_to(t, dtype)``), in t's dtype."""
+    return t.to(dtype).to(t.dtype) if round_to is None else round_to(t, dtype)
+
+
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0,
-          out_dtype=None) -> torch.Tensor:
+          out_dtype=None, round_to: Optional[Callable] = None) -> torch.Tensor:
     """The expert's gated activation of ``gate, up`` (values in the model's dtype, arithmetic in
-    theirs), rounded to ``out_dtype`` where the eager MLP rounds: ``act(gate)`` and the product."""
+    theirs), rounded to ``out_dtype`` where the eager MLP rounds: ``act(gate)`` and the product
+    (the value returned in the arithmetic's dtype)."""
     out_dtype = out_dtype or gate.dtype
     if activation == "clamped_swiglu":
         g = gate.clamp(max=limit)
-        return ((up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g))).to(out_dtype)
+        return rounded((up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g)), out_dtype, round_to)
     act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}[activation]
-    return (act(gate).to(out_dtype).to(gate.dtype) * up).to(out_dtype)
+    return rounded(rounded(act(gate), out_dtype, round_to) * up, out_dtype, round_to)
 
 
 def _logical(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w.transpose(-1, -2) if transposed else w
 
 
-def _project(x, w, lora, e, scale):
+def _project(x, w, lora, e, scale, dtype, round_to):
+    """``x w[e]^T`` (+ the adapter's part), x and w in the compute dtype, ``dtype`` the model's."""
     out = x @ w[e].T
     if lora is not None:
-        a, b = lora
-        out = out + scale * ((x @ a[e].to(x.dtype).T) @ b[e].to(x.dtype).T)
+        a, b = (rounded(t[e].to(x.dtype), dtype, round_to) for t in lora)
+        out = out + rounded(scale * (x @ a.T), dtype, round_to) @ b.T
     return out
 
 
@@ -148,11 +156,14 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
             down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor] = None,
             down_bias: Optional[torch.Tensor] = None, *, activation: str = "silu", interleaved: bool = False,
             transposed: bool = False, alpha: float = 1.702, limit: float = 7.0, lora: Optional[Lora] = None,
-            compute_dtype=torch.float32) -> torch.Tensor:
+            compute_dtype=torch.float32, model_dtype: Optional[torch.dtype] = None,
+            round_to: Optional[Callable] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype: for each expert e and each slot (t, j)
-    routed to it, ``y = down_e(act(gate_up_e(x[t])))``, rounded to x's dtype, and
-    ``out[t] = sum_j top_k_weights[t, j] * y`` (the sum in ``compute_dtype``)."""
-    dtype, c = x.dtype, compute_dtype
+    routed to it, ``y = down_e(act(gate_up_e(x[t])))``, rounded to the model's dtype, and
+    ``out[t] = sum_j top_k_weights[t, j] * y`` (the sum in ``compute_dtype``, rounded once).
+    ``model_dtype``: the dtype the values are rounded to on the way (default x's; the model's
+    where x is an upcast copy); ``round_to``: how (``rounded``; default to nearest)."""
+    dtype, c = model_dtype or x.dtype, compute_dtype
     wgu, wd = _logical(gate_up_proj, transposed).to(c), _logical(down_proj, transposed).to(c)
     inter = wd.shape[-1]
     xc = x.to(c)
@@ -161,23 +172,17 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
         token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        gu = _project(xc[token], wgu, None if lora is None else lora.gate_up, e, None if lora is None else lora.scale)
+        scale = None if lora is None else lora.scale
+        gu = _project(xc[token], wgu, None if lora is None else lora.gate_up, e, scale, dtype, round_to)
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(c)
-        gu = gu.to(dtype).to(c)  # the projection's output in the model's dtype
+        gu = rounded(gu, dtype, round_to)  # the projection's output in the model's dtype
         gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :inter], gu[:, inter:])
-        h = gated(gate, up, activation, alpha, limit, out_dtype=dtype).to(c)
-        y = _project(h, wd, None if lora is None else lora.down, e, None if lora is None else lora.scale)
+        h = gated(gate, up, activation, alpha, limit, out_dtype=dtype, round_to=round_to)
+        y = _project(h, wd, None if lora is None else lora.down, e, scale, dtype, round_to)
         if down_bias is not None:
             y = y + down_bias[e].to(c)
-        out.index_put_((token,), y.to(dtype).to(c) * top_k_weights[token, slot, None].to(c), accumulate=True)
-    return out.to(dtype)
+        out.index_put_((token,), rounded(y, dtype, round_to) * top_k_weights[token, slot, None].to(c),
+                       accumulate=True)
+    return rounded(out, dtype).to(x.dtype)
 
-
-def mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-        activation: str = "silu", compute_dtype=torch.float32) -> torch.Tensor:
-    """A shared expert: Llama's dense MLP ``down(act(gate(x)) * up(x))`` (``nn.Linear`` weights)."""
-    c, dtype = compute_dtype, x.dtype
-    xc = x.to(c)
-    gate, up = (xc @ gate_proj.to(c).T).to(dtype).to(c), (xc @ up_proj.to(c).T).to(dtype).to(c)
-    return (gated(gate, up, activation, out_dtype=dtype).to(c) @ down_proj.to(c).T).to(dtype)

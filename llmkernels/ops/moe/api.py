@@ -18,8 +18,9 @@ class ExpertLora(NamedTuple):
     """Rank-r LoRA adapters on every expert's projections, in the logical orientation whatever
     the weights' layout: ``gate_up = (A [E, r, H], B [E, 2I, r])`` (B's rows in the weight's own
     gate/up order), ``down = (A [E, r, I], B [E, H, r])``, either None; the projection becomes
-    ``x W[e]^T + scale * (x A[e]^T) B[e]^T`` (``scale``: PEFT's ``lora_alpha / r``). Adapters
-    may be float32 beside bf16 weights (PEFT's default); they are read in x's dtype."""
+    ``x W[e]^T + (scale * x A[e]^T) B[e]^T`` (``scale``: PEFT's ``lora_alpha / r``). Adapters
+    may be float32 beside bf16 weights (PEFT's default); they are read in x's dtype, and the
+    rank-r rows ``scale * x A[e]^T`` are kept in it."""
 
     gate_up: Optional[tuple] = None
     down: Optional[tuple] = None
@@ -89,8 +90,8 @@ def _check_lora(x, lora, gate_up, down) -> tuple:
         check_tensor(f"lora.{name}[1]", b, like=x)
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != n_experts or a.shape[2] != k or b.shape[:2] != (n_experts, n) \
                 or b.shape[2] != a.shape[1] or a.shape[1] < 1:
-            raise ValueError(f"lora.{name} must be A [{n_experts}, r, {k}] and B [{n_experts}, {n}, r], got "
-                             f"{list(a.shape)} and {list(b.shape)}")
+            raise ValueError(f"lora.{name}[0] and lora.{name}[1] must be A [{n_experts}, r, {k}] and "
+                             f"B [{n_experts}, {n}, r], got {list(a.shape)} and {list(b.shape)}")
         tensors += [a, b]
     return tuple(tensors)
 
@@ -157,5 +158,7 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                                     limit=options.limit, compute_dtype=compute,
                                     lora=None if lora is None else reference_moe.Lora(*lora))
         return out.view(shape)
-    (out,) = EXPERTS(rows, index, weights, gate_up, down, gate_up_bias, down_bias, *adapters, options, config=config)
+    # (biases are read with unit column stride; a [E, N] copy where they are not)
+    biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
+    (out,) = EXPERTS(rows, index, weights, gate_up, down, *biases, *adapters, options, config=config)
     return out.view(shape)

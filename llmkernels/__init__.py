@@ -38,6 +38,9 @@ _EXPORTS = {
     "unpatch_all": ".hf",
     "supported_model_types": ".hf",
     "PatchReport": ".hf",
+    "add_expert_lora": ".hf",
+    "save_expert_lora": ".hf",
+    "load_expert_lora": ".hf",
 }
 
 _SUBMODULES = ("ops", "parallel", "reference", "reference_moe", "modules", "hf", "hf_kernels", "bench", "scaling")

@@ -225,3 +225,33 @@ def test_expert_lora_matches_peft(tmp_path):
     hf.load_expert_lora(base, tmp_path / "peft")
     with torch.no_grad():
         assert rel_err(base(input_ids=ids).logits, want) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+def _fsdp2_rank(rank, world, device):
+    """Each rank the same batch: FSDP2's averaged gradients are one process's."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = make_moe("qwen3_moe").to(device)
+    ref_losses, _ = train(copy.deepcopy(model), STEPS)
+    llmkernels.patch(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    losses, _ = train(model, STEPS)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_fsdp2_trains_the_patched_moe_model_like_one_process():
+    """fully_shard on every layer and the root: FSDP2 unshards the expert weights before each
+    forward, so the kernels read plain tensors (2 CPU processes with gloo, or 2 GPUs)."""
+    from tests.helpers import run_ranks
+
+    run_ranks(_fsdp2_rank)

@@ -13,9 +13,9 @@ What is replaced (each can be switched off): the family's RMSNorm (``norms``), i
 per-head q/k norms of Qwen 3, Gemma 3 and OLMo 2/3 and Llama 4's weightless q/k L2 norm, with
 the family's casting; ``torch.nn.LayerNorm`` (GPT-NeoX); the gated MLP's product and down
 projection (``mlp``); the MoE experts of Mixtral, Qwen 2/3 MoE, OLMoE, DeepSeek-V3 and gpt-oss
-(``moe``: ``llmkernels.moe_experts``, adapters included); the modeling module's RoPE function (``rope``: module-level, so it changes
-every model of that type in the process, also for ``patch(model)``); and the loss of
-``*ForCausalLM`` (``loss``). Tensor-parallel (DTensor) norms run on the local shard
+(``moe``: ``llmkernels.moe_experts``, adapters included); the modeling module's RoPE function
+(``rope``: module-level, so it changes every model of that type in the process, also for
+``patch(model)``); and the loss of ``*ForCausalLM`` (``loss``). Tensor-parallel (DTensor) norms run on the local shard
 (``sharding``); a sharded head weight that the fused loss reads outside the head's forward (FSDP2
 with the head a group of its own) is gathered for the call (``llmkernels.ops.losses.base.sharded``).
 

@@ -8,5 +8,5 @@ from .api import ExpertLora, moe_experts
 from .configs import GemmTiles, MoeConfig
 from .router import RouterOptions, moe_load_balancing_loss, moe_route, moe_router_z_loss
 
-__all__ = ["ExpertLora", "GemmTiles", "MoeConfig", "RouterOptions", "moe_experts", "moe_load_balancing_loss", "moe_route",
-           "moe_router_z_loss"]
+__all__ = ["ExpertLora", "GemmTiles", "MoeConfig", "RouterOptions", "moe_experts", "moe_load_balancing_loss",
+           "moe_route", "moe_router_z_loss"]

@@ -97,7 +97,8 @@ def _lora_args(rows_lora: Optional[torch.Tensor], b: Optional[tuple], stand_in: 
 
 
 class Launch(NamedTuple):
-    """What the row-tiled launches of one call share."""
+    """What the row-tiled launches of one call share; ``tables``: the tile tables made so far,
+    by ``block_m`` (each made once a call)."""
 
     routing: tuple  # (order, offsets)
     rows: int
@@ -105,12 +106,16 @@ class Launch(NamedTuple):
     n_experts: int
     config: MoeConfig
     precision: str
+    tables: dict
 
 
 def _row_grid(kernel, tiles: GemmTiles, launch: Launch, n: int, args: tuple, **constexprs) -> None:
     """``kernel`` over the row tiles of ``launch`` (``tiles.block_m`` rows) and ``n`` columns."""
     order, offsets = launch.routing
-    tile_e, tile_s = tile_table(offsets, launch.rows, tiles.block_m)
+    tables = launch.tables.get(tiles.block_m)
+    if tables is None:
+        tables = launch.tables[tiles.block_m] = tile_table(offsets, launch.rows, tiles.block_m)
+    tile_e, tile_s = tables
     handle = launcher(kernel, **constexprs, TOP_K=launch.top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                       BLOCK_K=tiles.block_k, PRECISION=launch.precision, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)
@@ -171,7 +176,7 @@ def _launch(x, top_k_index, down_proj, routing, config) -> Launch:
     t, k = top_k_index.shape
     n_experts = down_proj.shape[0]
     config = config or moe_config(t * k, n_experts, x.shape[1], down_proj.shape[2], x.device)
-    return Launch(routing, t * k, k, n_experts, config, _precision(x.dtype))
+    return Launch(routing, t * k, k, n_experts, config, _precision(x.dtype), {})
 
 
 def _pairing(options: ExpertsOptions, inter: int) -> tuple:

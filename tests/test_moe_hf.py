@@ -230,7 +230,7 @@ def test_expert_lora_matches_peft(tmp_path):
 # --------------------------------------------------------------------------------------------
 # FSDP2
 # --------------------------------------------------------------------------------------------
-def _fsdp2_rank(rank, world, device):
+def _fsdp2_rank(rank, world, device, loss: bool):
     """Each rank the same batch: FSDP2's averaged gradients are one process's."""
     try:
         from torch.distributed.fsdp import fully_shard
@@ -239,7 +239,7 @@ def _fsdp2_rank(rank, world, device):
     torch.manual_seed(0)
     model = make_moe("qwen3_moe").to(device)
     ref_losses, _ = train(copy.deepcopy(model), STEPS)
-    llmkernels.patch(model)
+    llmkernels.patch(model, cross_entropy=loss)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -249,9 +249,12 @@ def _fsdp2_rank(rank, world, device):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-def test_fsdp2_trains_the_patched_moe_model_like_one_process():
+@pytest.mark.parametrize("loss", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="the fused loss of a patched MoE model under FSDP2 (root group holding the head): the "
+                        "losses part from the second step (the experts alone match)"))], ids=["experts", "with_loss"])
+def test_fsdp2_trains_the_patched_moe_model_like_one_process(loss):
     """fully_shard on every layer and the root: FSDP2 unshards the expert weights before each
     forward, so the kernels read plain tensors (2 CPU processes with gloo, or 2 GPUs)."""
     from tests.helpers import run_ranks
 
-    run_ranks(_fsdp2_rank)
+    run_ranks(_fsdp2_rank, loss)

@@ -33,9 +33,9 @@ from llmkernels import reference_moe  # noqa: E402
 from llmkernels.bench import ops_moe  # noqa: E402
 from llmkernels.bench.registry import Unavailable  # noqa: E402
 
-CASES = {"qwen3-8k": {"T": 8192, **ops_moe.QWEN3}, "qwen3-32k": {"T": 32768, **ops_moe.QWEN3},
-         "mixtral-8k": {"T": 8192, **ops_moe.MIXTRAL}}
-TINY = {"tiny-qwen": {"T": 32, "E": 4, "K": 2, "H": 32, "I": 16}, "tiny-mixtral": {"T": 16, "E": 2, "K": 2, "H": 48,
+CASES = {"qwen3-8k": {"M": 8192, **ops_moe.QWEN3}, "qwen3-32k": {"M": 32768, **ops_moe.QWEN3},
+         "mixtral-8k": {"M": 8192, **ops_moe.MIXTRAL}}
+TINY = {"tiny-qwen": {"M": 32, "E": 4, "K": 2, "H": 32, "I": 16}, "tiny-mixtral": {"M": 16, "E": 2, "K": 2, "H": 48,
                                                                                   "I": 32}}
 # The eager loop over 128 experts takes about 0.3 s a call on an H100: a few calls are its timing.
 SLOW = {"hf_eager"}
@@ -80,7 +80,7 @@ def gemm_ceiling(device: torch.device, shape: dict, ms) -> dict:
         return 2 * m * k * n / ms(lambda: torch.mm(a, b), False) / 1e9
     square = 8192 if device.type == "cuda" else 64
     return {"square": tflops(square, square, square),
-            "layer": tflops(shape["T"] * shape["K"], shape["H"], 2 * shape["I"])}
+            "layer": tflops(shape["M"] * shape["K"], shape["H"], 2 * shape["I"])}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,7 +90,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, deadline: float) -> dict:
     torch.manual_seed(0)
     inputs = ops_moe.make_inputs(shape, torch.bfloat16, device)
-    d_out = torch.randn(shape["T"], shape["H"], device=device, dtype=torch.bfloat16)
+    d_out = torch.randn(shape["M"], shape["H"], device=device, dtype=torch.bfloat16)
     leaves = {k: v.requires_grad_() for k, v in inputs.items() if k in ops_moe.GRAD_INPUTS}
     refs = {k: v.detach().float().requires_grad_() if k in leaves else v for k, v in inputs.items()}
     ref = reference_moe.experts(**refs, model_dtype=torch.bfloat16, compute_dtype=torch.float32)
@@ -163,7 +163,7 @@ def markdown(result: dict) -> str:
              f"bf16, routing given; TFLOP/s of the routed FLOPs; versions: {result['meta']['versions']}", ""]
     for name, case in result["cases"].items():
         s, ceiling = case["shape"], case["gemm_ceiling_tflops"]
-        lines += [f"## {name}: T {s['T']}, E {s['E']}, top-{s['K']}, H {s['H']}, I {s['I']}", "",
+        lines += [f"## {name}: T {s['M']} tokens, E {s['E']}, top-{s['K']}, H {s['H']}, I {s['I']}", "",
                   f"Dense bf16 GEMM in this run: {ceiling['square']:.0f} TFLOP/s (8192^3), {ceiling['layer']:.0f} "
                   f"TFLOP/s (the gate/up GEMM as one dense GEMM).", "",
                   "| provider | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | max rel err | status |",

@@ -4,7 +4,7 @@ routing given), and its peers, also used by ``benchmarks/moe_bench.py``.
 Inputs (Qwen3-30B-A3B's layer by default, E 128, top-8, H 2048, I 768, over T tokens):
 ``x [T, H]``, ``top_k_index [T, k]`` (each token's k best of random router logits, so experts get
 unequal shares), ``top_k_weights [T, k]`` (renormalized softmax), ``gate_up_proj [E, 2I, H]`` and
-``down_proj [E, H, I]`` in transformers' layout. A grouped GEMM is compute bound: the figure of
+``down_proj [E, H, I]`` in transformers' layout; the shapes' ``M`` is T, the rows of x. A grouped GEMM is compute bound: the figure of
 merit is TFLOP/s of the routed FLOPs (``routed_flops``); ``min_bytes`` (each input read once, the
 output written once) is there for the runner's GB/s column.
 
@@ -31,25 +31,25 @@ QWEN3 = {"E": 128, "K": 8, "H": 2048, "I": 768}
 MIXTRAL = {"E": 8, "K": 2, "H": 4096, "I": 14336}
 DEFAULT_SIZES = (2048, 8192, 32768)
 QUICK_SIZES = (8192,)
-DECODE_SHAPES = tuple({"T": t, **QWEN3} for t in (1, 8, 64))
-SMALL_SHAPES = ({"T": 9, "E": 3, "K": 2, "H": 24, "I": 16},)  # (grouped_mm: 16-byte strides)
-EAGER_SHAPES = ({"T": 4096, **QWEN3},)
+DECODE_SHAPES = tuple({"M": t, **QWEN3} for t in (1, 8, 64))
+SMALL_SHAPES = ({"M": 9, "E": 3, "K": 2, "H": 24, "I": 16},)  # (grouped_mm: 16-byte strides)
+EAGER_SHAPES = ({"M": 4096, **QWEN3},)
 GRAD_INPUTS = ("x", "top_k_weights", "gate_up_proj", "down_proj")
 
 
 def routed_flops(shape: dict, mode: str) -> int:
     """The routed experts' multiply-adds x 2: the forward's two GEMMs over T k rows
     (``2 T k (2 I H + I H)``); the backward's four (dx and dW of each) twice that."""
-    forward = 6 * shape["T"] * shape["K"] * shape["H"] * shape["I"]
+    forward = 6 * shape["M"] * shape["K"] * shape["H"] * shape["I"]
     return {"fwd": forward, "bwd": 2 * forward, "fwd+bwd": 3 * forward}[mode]
 
 
 def _shape(t: int, rows):
-    return {"T": t, **QWEN3}
+    return {"M": t, **QWEN3}
 
 
 def make_inputs(shape: dict, dtype: torch.dtype, device) -> dict:
-    t, n_experts, k, hidden, inter = (shape[n] for n in ("T", "E", "K", "H", "I"))
+    t, n_experts, k, hidden, inter = (shape[n] for n in ("M", "E", "K", "H", "I"))
     logits = torch.randn(t, n_experts, device=device) + torch.randn(n_experts, device=device)  # unequal experts
     weights, index = torch.softmax(logits, -1).topk(k, dim=-1)
     return {"x": torch.randn(t, hidden, device=device).to(dtype), "top_k_index": index,
@@ -59,7 +59,7 @@ def make_inputs(shape: dict, dtype: torch.dtype, device) -> dict:
 
 
 def _min_bytes(shape, dtype, mode):
-    activations = 2 * shape["T"] * shape["H"]  # x read, out written (dy read, dx written)
+    activations = 2 * shape["M"] * shape["H"]  # x read, out written (dy read, dx written)
     weights = 3 * shape["E"] * shape["H"] * shape["I"]  # read (and their gradients written)
     units = {"fwd": activations + weights, "bwd": activations + 2 * weights,
              "fwd+bwd": 2 * activations + 3 * weights}[mode]
@@ -163,7 +163,7 @@ PROVIDERS = {
 }
 
 register(BenchOp(
-    name="moe_experts", axis="T", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    name="moe_experts", axis="M", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES, make_inputs=make_inputs,
     grad_inputs=GRAD_INPUTS, outputs=("out",),
     reference=functools.partial(reference_moe.experts, compute_dtype=torch.float64), min_bytes=_min_bytes,

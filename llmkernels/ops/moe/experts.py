@@ -123,14 +123,14 @@ def _row_grid(kernel, tiles: GemmTiles, launch: Launch, n: int, args: tuple, **c
 
 
 def _grouped_mm(launch: Launch, a, w: tuple, n: int, k: int, *, gather=False, scatter=False, bias=None,
-                lora_rows=None, lora_b=None, scale=1.0, narrow=False, out_dtype=None) -> torch.Tensor:
+                lora_rows=None, lora_b=None, scale=1.0, narrow=False) -> torch.Tensor:
     """``C [S, n] = scale * a[row or token] @ B[e]`` (+ ``lora_rows @ lora_b[e]``, + bias),
     rows in sorted order or, ``scatter``, at their slots; ``w`` an ``_operand``. ``narrow``: n
     is a LoRA rank (column tiles of its size)."""
     tiles = launch.config.down
     if narrow:
         tiles = GemmTiles(tiles.block_m, _rank_block(n), tiles.block_k, tiles.num_warps, tiles.num_stages)
-    c = torch.empty((launch.rows, n), device=a.device, dtype=out_dtype or a.dtype)
+    c = torch.empty((launch.rows, n), device=a.device, dtype=a.dtype)
     (la, lb), lora = _lora_args(lora_rows, lora_b, a)
     _row_grid(kernels.grouped_mm_kernel, tiles, launch, n,
               (a, w[0], c if bias is None else bias, la, lb, c, launch.n_experts, k, n, lora[0], a.stride(0), *w[1:],

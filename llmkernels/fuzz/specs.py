@@ -359,10 +359,6 @@ def linear_distill_loss(d: Draw) -> Case:
 # --------------------------------------------------------------------------------------------
 # Mixture of experts
 # --------------------------------------------------------------------------------------------
-# The adapters as arguments of their own, named as moe_experts's errors name them.
-LORA_ARGS = ("lora.gate_up[0]", "lora.gate_up[1]", "lora.down[0]", "lora.down[1]")
-
-
 def _routing(d: Draw, t: int, n_experts: int, k: int) -> torch.Tensor:
     """``[t, k]`` distinct experts a token: at times every token on one expert (the others
     empty), at times slots of another rank (expert ``E``, dropped; never all of a token's)."""
@@ -392,35 +388,26 @@ def moe_experts(d: Draw) -> Case:
                 down_bias=d.tensor((n_experts, hidden), dtype, scale=0.3) if gpt_oss else None,
                 activation="clamped_swiglu" if gpt_oss else "silu", interleaved=gpt_oss, transposed=gpt_oss,
                 # (a bf16 ulp decides a clamp near the limit: the limits are crossed in fp32 only)
-                limit=d.choice((7.0, 1.0)) if dtype == torch.float32 else 7.0,
-                **dict.fromkeys(LORA_ARGS), lora_scale=d.choice((0.5, 2.0)))
-    if d.chance(0.3):
+                limit=d.choice((7.0, 1.0)) if dtype == torch.float32 else 7.0, lora=None)
+    if d.chance(0.3):  # (a record: its outputs are checked here, its gradients by tests/test_moe_lora.py)
         r = d.int(1, 8)
-        for name, (n, kk) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
-            if d.chance(0.7):
-                args[f"lora.{name}[0]"] = d.tensor((n_experts, r, kk), d.choice((dtype, torch.float32)), scale=0.3)
-                args[f"lora.{name}[1]"] = d.tensor((n_experts, n, r), d.choice((dtype, torch.float32)), scale=0.3)
-
-    def lora(a, record):
-        pairs = [None if a[f"lora.{n}[0]"] is None else (a[f"lora.{n}[0]"], a[f"lora.{n}[1]"])
-                 for n in ("gate_up", "down")]
-        return None if pairs == [None, None] else record(*pairs, a["lora_scale"])
-
-    def call(a):
-        keep = {n: v for n, v in a.items() if n not in LORA_ARGS and n != "lora_scale"}
-        return (lk.moe_experts(**keep, lora=lora(a, lk.ExpertLora)),)
+        pairs = [(d.tensor((n_experts, r, kk), d.choice((dtype, torch.float32)), scale=0.3),
+                  d.tensor((n_experts, n, r), d.choice((dtype, torch.float32)), scale=0.3)) if d.chance(0.7) else None
+                 for n, kk in ((2 * inter, hidden), (hidden, inter))]
+        args["lora"] = None if pairs == [None, None] else lk.ExpertLora(*pairs, d.choice((0.5, 2.0)))
 
     def ref(a, c):
         """The float32 pass rounds toward zero under the interpreter (which rounds so) at the
         reference's roundings: several a slot, each up to an ulp, in one direction."""
-        keep = {n: v for n, v in a.items() if n not in LORA_ARGS and n != "lora_scale"}
         truncates = c == torch.float32 and a["x"].device.type == "cpu"
-        return (reference_moe.experts(**keep, lora=lora(a, reference_moe.Lora), compute_dtype=c, model_dtype=dtype,
+        lora = None if a["lora"] is None else reference_moe.Lora(*a["lora"])
+        return (reference_moe.experts(**{**a, "lora": lora}, compute_dtype=c, model_dtype=dtype,
                                       round_to=toward_zero if truncates else None),)
 
-    tensors = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias", *LORA_ARGS)
-    return Case("moe_experts", args, call, ref, tensors, row_input="x",
-                bad=_common_bad(d, args, tensors, _one_bad(d, {"activation": "relu", "limit": math.inf})))
+    tensors = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+    # (torch.clamp passes no gradient to a NaN: gpt-oss's clamps keep a NaN of x out of dx)
+    return Case("moe_experts", args, lambda a: (lk.moe_experts(**a),), ref, tensors, row_input="x",
+                nan_in_grad=not gpt_oss, bad=_common_bad(d, args, tensors, _one_bad(d, {"activation": "relu", "limit": math.inf})))
 
 
 BUILDERS = {

@@ -247,7 +247,8 @@ def _routing_weight_grad(partial, dy, top_k_index, top_k_weights, down_bias, n_e
     d_weights = partial.sum(1).view(t, k)
     if down_bias is not None:
         valid = (top_k_index >= 0) & (top_k_index < n_experts)
-        by_expert = (dy.float() @ down_bias.float().T).gather(1, top_k_index.long().clamp(0, n_experts - 1))
+        with torch.autocast(dy.device.type, enabled=False):  # (a backward may run inside autocast)
+            by_expert = (dy.float() @ down_bias.float().T).gather(1, top_k_index.long().clamp(0, n_experts - 1))
         d_weights = d_weights + torch.where(valid, by_expert, 0.0)
     return d_weights.to(top_k_weights.dtype)
 

@@ -94,13 +94,19 @@ def _mma_pair(acc_g, acc_u, A, a_off, a_mask, B, gate_cols, up_cols, c_mask, str
 # the gated activations: silu (SwiGLU) and gpt-oss's clamped SwiGLU
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _clamp(x, lo, hi):
+    """``torch.clamp(x, lo, hi)``: NaN stays NaN (Triton's minimum and maximum drop it by default)."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _gated(g, u, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     """``h`` of the stored (rounded) ``g, u``, rounded as the reference rounds it."""
     if ACTIVATION == "silu":
         h = _round(g * tl.sigmoid(g), DTYPE) * u
     else:
-        gc = tl.minimum(g, limit)
-        h = (tl.minimum(tl.maximum(u, -limit), limit) + 1.0) * (gc * tl.sigmoid(alpha * gc))
+        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        h = (_clamp(u, -limit, limit) + 1.0) * (gc * tl.sigmoid(alpha * gc))
     return _round(h, DTYPE)
 
 
@@ -116,8 +122,8 @@ def _gated_grads(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.con
         d_up = dh * a
         h = _round(a * u, DTYPE)
     else:
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        uc = _clamp(u, -limit, limit)
         s = tl.sigmoid(alpha * gc)
         glu = gc * s
         d_gate = tl.where(g <= limit, dh * (uc + 1.0) * (s + alpha * glu * (1.0 - s)), 0.0)

@@ -52,19 +52,20 @@ class ExpertsOptions(NamedTuple):
 
 class ExpertsGrads(NamedTuple):
     """What a backward computes: the call's options and which gradients are needed (in the
-    order of the call's differentiable tensors)."""
+    order of the call's differentiable tensors; named apart from the tensors, as the custom
+    op's schema lists both)."""
 
     options: ExpertsOptions
-    x: bool
-    weights: bool
-    gate_up: bool
-    down: bool
-    gate_up_bias: bool
-    down_bias: bool
-    gate_up_lora_a: bool
-    gate_up_lora_b: bool
-    down_lora_a: bool
-    down_lora_b: bool
+    need_x: bool
+    need_weights: bool
+    need_gate_up: bool
+    need_down: bool
+    need_gate_up_bias: bool
+    need_down_bias: bool
+    need_gate_up_lora_a: bool
+    need_gate_up_lora_b: bool
+    need_down_lora_a: bool
+    need_down_lora_b: bool
 
 
 def _empty(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -274,9 +275,9 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
                                               gather=True, scale=scale, narrow=True)
     tiles = launch.config.down_bwd
     dgu = torch.empty_like(gu)
-    hs = _empty(x, launch.rows, inter) if grads.down or grads.down_bias or grads.down_lora_a else None
+    hs = _empty(x, launch.rows, inter) if grads.need_down or grads.need_down_bias or grads.need_down_lora_a else None
     partial = (torch.zeros((launch.rows, cdiv(inter, tiles.block_n)), device=x.device, dtype=torch.float32)
-               if grads.weights else None)
+               if grads.need_weights else None)
     pair, up_offset = _pairing(options, inter)
     (la, lb), lora = _lora_args(dyb, None if dyb is None else _operand(down_lora_a, 1), dgu)
     _row_grid(kernels.down_bwd_kernel, tiles, launch, inter,
@@ -289,30 +290,30 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
     d_weights = None if partial is None else _routing_weight_grad(partial, dy, top_k_index, top_k_weights, down_bias,
                                                                   launch.n_experts)
     d_down = d_down_bias = d_down_b = d_down_a = None
-    if grads.down or grads.down_bias:
+    if grads.need_down or grads.need_down_bias:
         d_down, d_down_bias = _weight_grad(launch, dy, hs, down_proj, gather_a=True, scale=weights,
-                                           bias_like=down_bias if grads.down_bias else None)
-    if grads.down_lora_b:
+                                           bias_like=down_bias if grads.need_down_bias else None)
+    if grads.need_down_lora_b:
         d_down_b = _weight_grad(launch, dy, ha, down_lora_b, gather_a=True, scale=weights)[0]
-    if grads.down_lora_a:
+    if grads.need_down_lora_a:
         d_down_a = _weight_grad(launch, dyb, hs, down_lora_a, scale=weights)[0]
     del hs, dyb
     # s d(gate, up) B_gu [S, r]: the gate/up adapter's part of the gradient of x
-    dgb = None if xa is None or not (grads.x or grads.gate_up_lora_a) else _grouped_mm(
+    dgb = None if xa is None or not (grads.need_x or grads.need_gate_up_lora_a) else _grouped_mm(
         launch, dgu, _operand(gate_up_lora_b, 1), gate_up_lora_b.shape[2], 2 * inter, scale=scale, narrow=True)
     dx = None
-    if grads.x:
+    if grads.need_x:
         dxs = _grouped_mm(launch, dgu, _operand(gate_up_proj, 1), hidden, 2 * inter, scatter=True, lora_rows=dgb,
                           lora_b=None if dgb is None else _operand(gate_up_lora_a, 1))
         dx = _combine(dxs, top_k_index, None, launch, x.dtype)
         del dxs
     d_gate_up = d_gate_up_bias = None
-    if grads.gate_up or grads.gate_up_bias:
+    if grads.need_gate_up or grads.need_gate_up_bias:
         d_gate_up, d_gate_up_bias = _weight_grad(launch, dgu, x, gate_up_proj, gather_b=True,
                                                  bias_like=_empty(x, launch.n_experts, 2 * inter)
-                                                 if grads.gate_up_bias else None)
-    d_gate_up_b = None if not grads.gate_up_lora_b else _weight_grad(launch, dgu, xa, gate_up_lora_b)[0]
-    d_gate_up_a = None if not grads.gate_up_lora_a else _weight_grad(launch, dgb, x, gate_up_lora_a,
+                                                 if grads.need_gate_up_bias else None)
+    d_gate_up_b = None if not grads.need_gate_up_lora_b else _weight_grad(launch, dgu, xa, gate_up_lora_b)[0]
+    d_gate_up_a = None if not grads.need_gate_up_lora_a else _weight_grad(launch, dgb, x, gate_up_lora_a,
                                                                      gather_b=True)[0]
-    return (dx, d_weights, d_gate_up if grads.gate_up else None, d_down if grads.down else None, d_gate_up_bias,
+    return (dx, d_weights, d_gate_up if grads.need_gate_up else None, d_down if grads.need_down else None, d_gate_up_bias,
             d_down_bias, d_gate_up_a, d_gate_up_b, d_down_a, d_down_b)

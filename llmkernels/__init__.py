@@ -21,6 +21,12 @@ _EXPORTS = {
     "linear_log_probs": ".ops.losses.log_probs",
     "linear_distill_loss": ".ops.losses.distill",
     "linear_z_loss": ".ops.losses.z_loss",
+    "moe_experts": ".ops.moe",
+    "ExpertLora": ".ops.moe",
+    "moe_route": ".ops.moe",
+    "moe_load_balancing_loss": ".ops.moe",
+    "moe_router_z_loss": ".ops.moe",
+    "RouterOptions": ".ops.moe",
     "vocab_parallel_cross_entropy": ".parallel.vocab_parallel",
     "vocab_parallel_linear_cross_entropy": ".parallel.vocab_parallel_linear",
     "RMSNorm": ".modules",
@@ -31,9 +37,12 @@ _EXPORTS = {
     "unpatch_all": ".hf",
     "supported_model_types": ".hf",
     "PatchReport": ".hf",
+    "add_expert_lora": ".hf",
+    "save_expert_lora": ".hf",
+    "load_expert_lora": ".hf",
 }
 
-_SUBMODULES = ("ops", "parallel", "reference", "modules", "hf", "hf_kernels", "bench", "scaling")
+_SUBMODULES = ("ops", "parallel", "reference", "reference_moe", "modules", "hf", "hf_kernels", "bench", "scaling")
 
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -79,7 +79,7 @@ def test_glu_ops(name):
 
 def test_every_op_family_is_registered():
     """One bench module per family of llmkernels' public ops, each op checked on CPU too."""
-    assert set(ops()) == {*NORM_OPS, *GLU_OPS, "rope", "rope_bshd", "cross_entropy", *LINEAR_LOSS_OPS}
+    assert set(ops()) == {*NORM_OPS, *GLU_OPS, "rope", "rope_bshd", "cross_entropy", *LINEAR_LOSS_OPS, "moe_experts"}
     assert all(op.small_shapes and list(op.providers)[0] == "llmkernels" for op in ops().values())
 
 

@@ -33,6 +33,10 @@ REGRESSIONS = [
     ("layer_norm", SEED, 5743, "plain"),  # (GPU only) likewise, LayerNorm without weight and bias
     # (H100) a "bad" unsqueeze_dim of 3 that HF's formula takes: cos [1, 4, 4] at 3 broadcasts to q [3, 4, 4, 4]
     ("apply_rotary_pos_emb", 20261128, 1235, None),
+    ("moe_experts", 7, 9, "plain"),  # a column-major down bias read as row-major
+    ("moe_experts", 7, 15, "plain"),  # gpt-oss's clamps dropped a NaN (Triton's minimum / maximum)
+    ("moe_experts", 7, 59, "autocast"),  # the down bias's part of dweights in bf16 under autocast
+    ("moe_experts", 9, 47, "compile"),  # inductor: the backward op's schema named a bool x beside the tensor x
 ]
 
 

@@ -8,12 +8,13 @@ floating tensors upcast by the runner.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import torch
 
 import llmkernels as lk
-from llmkernels import reference
+from llmkernels import reference, reference_moe
 
 from .draw import Draw, shift_values
 
@@ -377,6 +378,60 @@ def linear_distill_loss(d: Draw) -> Case:
                                           "target"), _one_bad(d, bad)))
 
 
+# --------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------
+def _routing(d: Draw, t: int, n_experts: int, k: int) -> torch.Tensor:
+    """``[t, k]`` distinct experts a token: at times every token on one expert (the others
+    empty), at times slots of another rank (expert ``E``, dropped; never all of a token's)."""
+    scores = torch.rand(t, n_experts, generator=d.gen)
+    if d.chance(0.2):
+        scores[:, d.int(0, n_experts - 1)] += 2.0
+    index = scores.argsort(-1, descending=True)[:, :k]
+    if k > 1 and d.chance(0.2):
+        index[::3, 0] = n_experts
+    return index.to(d.choice((torch.int64, torch.int32))).to(d.device)
+
+
+def moe_experts(d: Draw) -> Case:
+    dtype, t = d.dtype(), d.rows(24)
+    n_experts = d.int(1, 6)
+    k, hidden, inter = d.int(1, n_experts), d.width(80), d.width(48)
+    gpt_oss = d.chance(0.3)  # transposed, interleaved weights with biases and the clamped SwiGLU
+
+    def weight(n, kk, scale):
+        return d.tensor((n_experts, kk, n) if gpt_oss else (n_experts, n, kk), dtype, scale=scale,
+                        layouts=("contiguous", "transposed", "strided"))
+
+    args = dict(x=d.tensor((t, hidden), dtype), top_k_index=_routing(d, t, n_experts, k),
+                top_k_weights=d.tensor((t, k), d.choice((dtype, torch.float32)), scale=0.5),
+                gate_up_proj=weight(2 * inter, hidden, hidden ** -0.5), down_proj=weight(hidden, inter, inter ** -0.5),
+                gate_up_bias=d.tensor((n_experts, 2 * inter), dtype, scale=0.3) if gpt_oss else None,
+                down_bias=d.tensor((n_experts, hidden), dtype, scale=0.3) if gpt_oss else None,
+                activation="clamped_swiglu" if gpt_oss else "silu", interleaved=gpt_oss, transposed=gpt_oss,
+                # (a bf16 ulp decides a clamp near the limit: the limits are crossed in fp32 only)
+                limit=d.choice((7.0, 1.0)) if dtype == torch.float32 else 7.0, lora=None)
+    if d.chance(0.3):  # (a record: its outputs are checked here, its gradients by tests/test_moe_lora.py)
+        r = d.int(1, 8)
+        pairs = [(d.tensor((n_experts, r, kk), d.choice((dtype, torch.float32)), scale=0.3),
+                  d.tensor((n_experts, n, r), d.choice((dtype, torch.float32)), scale=0.3)) if d.chance(0.7) else None
+                 for n, kk in ((2 * inter, hidden), (hidden, inter))]
+        args["lora"] = None if pairs == [None, None] else lk.ExpertLora(*pairs, d.choice((0.5, 2.0)))
+
+    def ref(a, c):
+        """The float32 pass rounds toward zero under the interpreter (which rounds so) at the
+        reference's roundings: several a slot, each up to an ulp, in one direction."""
+        truncates = c == torch.float32 and a["x"].device.type == "cpu"
+        lora = None if a["lora"] is None else reference_moe.Lora(*a["lora"])
+        return (reference_moe.experts(**{**a, "lora": lora}, compute_dtype=c, model_dtype=dtype,
+                                      round_to=toward_zero if truncates else None),)
+
+    tensors = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+    # (torch.clamp passes no gradient to a NaN: gpt-oss's clamps keep a NaN of x out of dx)
+    return Case("moe_experts", args, lambda a: (lk.moe_experts(**a),), ref, tensors, row_input="x",
+                nan_in_grad=not gpt_oss, bad=_common_bad(d, args, tensors, _one_bad(d, {"activation": "relu", "limit": math.inf})))
+
+
 BUILDERS = {
     "rms_norm": lambda d: norm(d, True),
     "layer_norm": lambda d: norm(d, False),
@@ -390,4 +445,5 @@ BUILDERS = {
     "linear_log_probs": linear_log_probs,
     "linear_distill_loss": linear_distill_loss,
     "linear_z_loss": linear_z_loss,
+    "moe_experts": moe_experts,
 }

@@ -14,6 +14,7 @@ class Family:
                                      # *ForConditionalGeneration that calls ``base`` then ``lm_head``)
     layer_norm: bool = False         # uses torch.nn.LayerNorm (GPT-NeoX)
     mlps: dict = dataclasses.field(default_factory=dict)  # gated-MLP class name -> layout (mlp.LAYOUTS)
+    experts: dict = dataclasses.field(default_factory=dict)  # MoE experts class name -> activation (hf/moe.py)
     rope: Optional[str] = "rotate_half"  # how the module applies RoPE (rope.WRAPPERS), None: it has none of its own
     logits: str = "plain"            # lm_head output -> loss logits: "plain", "softcap" (final_logit_softcapping)
                                      # or "scaled" (divided by config.logits_scaling)
@@ -33,10 +34,11 @@ FAMILIES = {
                        reasons={"rope": "its language model is the model type config.text_config.model_type: "
                                         "patch_model_type that type too"}),
     "mixtral": Family("mixtral", {"MixtralRMSNorm": "llama"}, "MixtralForCausalLM",
-                      mlps={"MixtralExperts": "experts"}),
+                      mlps={"MixtralExperts": "experts"}, experts={"MixtralExperts": "silu"}),
     "qwen2": Family("qwen2", {"Qwen2RMSNorm": "llama"}, "Qwen2ForCausalLM", mlps={"Qwen2MLP": "separate"}),
     "qwen2_moe": Family("qwen2_moe", {"Qwen2MoeRMSNorm": "llama"}, "Qwen2MoeForCausalLM",
-                        mlps={"Qwen2MoeMLP": "separate", "Qwen2MoeExperts": "experts"}),
+                        mlps={"Qwen2MoeMLP": "separate", "Qwen2MoeExperts": "experts"},
+                        experts={"Qwen2MoeExperts": "silu"}),
     # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: their rotary embedding folds the multimodal (temporal, height, width)
     # sections into per-token cos/sin, which apply_rotary_pos_emb applies as plain RoPE.
     "qwen2_vl": Family("qwen2_vl", {"Qwen2VLRMSNorm": "llama"}, "Qwen2VLForConditionalGeneration",
@@ -45,7 +47,15 @@ FAMILIES = {
                          mlps={"Qwen2MLP": "separate", "Qwen2_5_VLMLP": "separate"}),
     "qwen3": Family("qwen3", {"Qwen3RMSNorm": "llama"}, "Qwen3ForCausalLM", mlps={"Qwen3MLP": "separate"}),
     "qwen3_moe": Family("qwen3_moe", {"Qwen3MoeRMSNorm": "llama"}, "Qwen3MoeForCausalLM",
-                        mlps={"Qwen3MoeMLP": "separate", "Qwen3MoeExperts": "experts"}),
+                        mlps={"Qwen3MoeMLP": "separate", "Qwen3MoeExperts": "experts"},
+                        experts={"Qwen3MoeExperts": "silu"}),
+    # OLMoE: q/k norms over the whole projection; DeepSeek-V3: MLA, whose RoPE (rope_interleave) is
+    # its own apply_rotary_pos_emb_interleave, left to transformers.
+    "olmoe": Family("olmoe", {"OlmoeRMSNorm": "llama"}, "OlmoeForCausalLM", experts={"OlmoeExperts": "silu"}),
+    "deepseek_v3": Family("deepseek_v3", {"DeepseekV3RMSNorm": "llama"}, "DeepseekV3ForCausalLM",
+                          mlps={"DeepseekV3MLP": "separate"}, experts={"DeepseekV3Experts": "silu"}, rope=None,
+                          reasons={"rope": "its attention (MLA) applies RoPE with apply_rotary_pos_emb_interleave "
+                                           "or to a slice of each head: left to transformers"}),
     "qwen3_vl": Family("qwen3_vl", {"Qwen3VLTextRMSNorm": "llama"}, "Qwen3VLForConditionalGeneration",
                        mlps={"Qwen3VLTextMLP": "separate"}),
     # Llama 4: complex RoPE on (2i, 2i + 1) pairs, weightless q/k L2 norms, 3-D experts run by bmm.
@@ -67,9 +77,9 @@ FAMILIES = {
     "olmo2": Family("olmo2", {"Olmo2RMSNorm": "none"}, "Olmo2ForCausalLM", mlps={"Olmo2MLP": "separate"}),
     "olmo3": Family("olmo3", {"Olmo3RMSNorm": "none"}, "Olmo3ForCausalLM", mlps={"Olmo3MLP": "separate"}),
     # gpt-oss: cos/sin tables of half the head (both halves use them); its experts' _apply_gate is a
-    # clamped SwiGLU (alpha, limit) that llmkernels.glu does not compute.
+    # clamped SwiGLU (alpha, limit) that llmkernels.glu does not compute (moe_experts does).
     "gpt_oss": Family("gpt_oss", {"GptOssRMSNorm": "none"}, "GptOssForCausalLM", mlps={"GptOssExperts": "experts"},
-                      rope="half_table"),
+                      experts={"GptOssExperts": "clamped_swiglu"}, rope="half_table"),
     "gemma": Family("gemma", {"GemmaRMSNorm": "gemma"}, "GemmaForCausalLM", mlps={"GemmaMLP": "separate"}),
     "gemma2": Family("gemma2", {"Gemma2RMSNorm": "gemma"}, "Gemma2ForCausalLM", mlps={"Gemma2MLP": "separate"},
                      logits="softcap"),
@@ -86,6 +96,8 @@ FAMILIES = {
 NORM_CASTING = {name: casting for fam in FAMILIES.values() for name, casting in fam.norms.items()}
 # Gated-MLP class name -> layout, likewise.
 MLP_LAYOUT = {name: layout for fam in FAMILIES.values() for name, layout in fam.mlps.items()}
+# MoE experts class name -> the activation moe_experts computes for it, likewise.
+MOE_EXPERTS = {name: activation for fam in FAMILIES.values() for name, activation in fam.experts.items()}
 
 
 def supported_model_types() -> tuple:

@@ -83,7 +83,9 @@ def _fused_loss_forward(self, family: Family, output: tuple, labels, kwargs):
     loss = _causal_lm_loss(self, family, outputs.last_hidden_state, labels, kwargs)
     aux_loss = None
     if is_moe and kwargs["output_router_logits"]:
-        balance = importlib.import_module(type(self).__module__).load_balancing_loss_func
+        # (the family's modeling module: FSDP2 makes the model's class a subclass defined in torch)
+        balance = importlib.import_module(
+            f"transformers.models.{family.module}.modeling_{family.module}").load_balancing_loss_func
         aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
                            kwargs.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)

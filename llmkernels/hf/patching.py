@@ -11,10 +11,11 @@ from typing import Optional
 
 from torch import nn
 
-from .families import FAMILIES, MLP_LAYOUT, NORM_CASTING, Family, supported_model_types
+from .families import FAMILIES, MLP_LAYOUT, MOE_EXPERTS, NORM_CASTING, Family, supported_model_types
 from .loss import causal_lm_forward, scaled_logits_reason
 from .marks import is_patched
 from .mlp import LAYOUTS, glu_activation, mlp_not_patchable
+from .moe import experts_forward, experts_not_supported, register_experts_interface
 from .norms import RMS_FORWARDS, layer_norm_forward, layer_norm_unsupported, patch_layer_norms_after_init
 from .rope import WRAPPERS
 
@@ -122,6 +123,17 @@ def _patch_mlp_module(module: nn.Module, report: PatchReport) -> Optional[str]:
     return f"{name}.{attr} -> llmkernels.{op}(activation={glu_activation(getattr(module, act_attr))!r})"
 
 
+def _patch_experts_module(module: nn.Module, report: PatchReport) -> Optional[str]:
+    name = type(module).__name__
+    activation = MOE_EXPERTS[name]
+    why = experts_not_supported(module, activation)
+    if why is not None:
+        report.not_patched[f"{name}.forward"] = why
+        return None
+    _bind(module, "forward", experts_forward(activation))
+    return f"{name}.forward -> llmkernels.moe_experts(activation={activation!r})"
+
+
 def _text_model_type(config) -> Optional[str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES and hasattr(config, "get_text_config"):
@@ -132,7 +144,7 @@ def _text_model_type(config) -> Optional[str]:
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, rope: bool = True,
-          cross_entropy: bool = True, mlp: bool = True) -> PatchReport:
+          cross_entropy: bool = True, mlp: bool = True, moe: bool = True) -> PatchReport:
     """Patch a Hugging Face transformers model in place to use the llmkernels kernels.
 
     Args:
@@ -141,6 +153,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
             ``torch.nn.LayerNorm``) in any model, also one of an unsupported type; RoPE and the
             loss need a known type.
         rms_norm, layer_norm, rope, cross_entropy, mlp: switch each replacement off with False.
+        moe: the Mixture-of-Experts experts (``llmkernels.moe_experts``; their routers are
+            transformers' own); False leaves them.
 
     Returns:
         A ``PatchReport``; ``print(report)`` lists what was and was not patched. For a model
@@ -160,6 +174,12 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         cls = type(module)
         name = cls.__name__
         from_transformers = cls.__module__.startswith("transformers.")
+        if name in MOE_EXPERTS and from_transformers:  # (besides the mlp part's _apply_gate, its fallback's)
+            key = _patch_experts_module(module, report) if moe else None
+            if not moe:
+                report.not_patched[f"{name}.forward"] = "moe=False"
+            if key is not None:
+                counts[key] = counts.get(key, 0) + 1
         if name in NORM_CASTING and from_transformers:
             kind = "rms_norm"
         elif cls is nn.LayerNorm:
@@ -192,7 +212,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         not_causal_lm = scaled_logits_reason(config)
     text_family = FAMILIES.get(getattr(config.get_text_config(), "model_type", None))
     families = [family] + ([text_family] if text_family is not None and text_family.module != family.module else [])
-    if mlp and not any(f.mlps for f in families):
+    if mlp and not any(f.mlps or f.experts for f in families):
         report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
     why = _patch_rope_and_loss_reason(families, report, rope, cross_entropy, not_causal_lm)
     if why:
@@ -236,8 +256,21 @@ def _patch_mlp_classes(family: Family, module, report: PatchReport) -> None:
         report.patched.append(f"{name}.{attr} -> llmkernels.glu (models whose activation it computes)")
 
 
+def _patch_experts_classes(family: Family, module, report: PatchReport) -> None:
+    register_experts_interface()
+    for name, activation in family.experts.items():
+        cls = getattr(module, name, None)
+        if cls is None:
+            report.not_patched[f"{name}.forward"] = f"{module.__name__} has no {name}"
+            continue
+        if not is_patched(cls.forward):
+            _replace(cls, "forward", experts_forward(activation, fallback=cls.forward))
+        report.patched.append(f"{name}.forward -> llmkernels.moe_experts(activation={activation!r}) "
+                              "(modules the kernels run; others keep transformers' forward)")
+
+
 def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_norm: bool = True,
-                     rope: bool = True, cross_entropy: bool = True, mlp: bool = True) -> PatchReport:
+                     rope: bool = True, cross_entropy: bool = True, mlp: bool = True, moe: bool = True) -> PatchReport:
     """Patch a model type's transformers classes so that its models run on the kernels.
 
     Replaces the family's RMSNorm ``forward``, its gated MLP's ``forward`` (experts:
@@ -251,7 +284,9 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
 
     Args:
         model_type: a ``config.model_type``, one of ``supported_model_types()``.
-        rms_norm, layer_norm, rope, cross_entropy, mlp: switch each replacement off with False.
+        rms_norm, layer_norm, rope, cross_entropy, mlp, moe: switch each replacement off with False
+            (``moe``: the MoE experts' ``forward``, ``llmkernels.moe_experts``; it also registers
+            ``experts_implementation="llmkernels"`` with transformers).
     """
     if model_type not in FAMILIES:
         raise ValueError(f"model_type must be one of {', '.join(supported_model_types())}; got {model_type!r}. "
@@ -262,7 +297,8 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
     # part -> (switch, report key when switched off, patcher); a part the family lacks is skipped
     parts = [(rms_norm, "rms_norm", list(family.norms), _patch_norm_classes),
              (layer_norm, "layer_norm", ["LayerNorm"] if family.layer_norm else [], _patch_layer_norm_classes),
-             (mlp, "mlp", list(family.mlps), _patch_mlp_classes)]
+             (mlp, "mlp", list(family.mlps), _patch_mlp_classes),
+             (moe, "moe", [f"{name}.forward" for name in family.experts], _patch_experts_classes)]
     for enabled, switch, names, patcher in parts:
         if not names:
             continue
@@ -270,7 +306,7 @@ def patch_model_type(model_type: str = "llama", *, rms_norm: bool = True, layer_
             patcher(family, module, report)
         else:
             report.not_patched.update({name: f"{switch}=False" for name in names})
-    if mlp and not family.mlps:
+    if mlp and not (family.mlps or family.experts):
         report.not_patched["mlp"] = f"model type {model_type!r} has no gated MLP"
     why = _patch_rope_and_loss_reason([family], report, rope, cross_entropy, None)
     if why:

@@ -104,9 +104,11 @@ def _gated(g, u, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     """``h`` of the stored (rounded) ``g, u``, rounded as the reference rounds it."""
     if ACTIVATION == "silu":
         h = _round(g * tl.sigmoid(g), DTYPE) * u
-    else:
+    elif ACTIVATION == "clamped_swiglu":
         gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
         h = (_clamp(u, -limit, limit) + 1.0) * (gc * tl.sigmoid(alpha * gc))
+    else:
+        tl.static_assert(False, "an activation of experts.ACTIVATIONS without its branch in _gated")
     return _round(h, DTYPE)
 
 
@@ -121,7 +123,7 @@ def _gated_grads(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.con
         d_gate = dh * u * (s * (1.0 + g * (1.0 - s)))
         d_up = dh * a
         h = _round(a * u, DTYPE)
-    else:
+    elif ACTIVATION == "clamped_swiglu":
         gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
         uc = _clamp(u, -limit, limit)
         s = tl.sigmoid(alpha * gc)
@@ -129,6 +131,8 @@ def _gated_grads(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.con
         d_gate = tl.where(g <= limit, dh * (uc + 1.0) * (s + alpha * glu * (1.0 - s)), 0.0)
         d_up = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
         h = _round((uc + 1.0) * glu, DTYPE)
+    else:
+        tl.static_assert(False, "an activation of experts.ACTIVATIONS without its branch in _gated_grads")
     return h, d_gate, d_up
 
 

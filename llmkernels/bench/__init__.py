@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     if args.out and os.path.exists(os.path.join(args.out, report.RESULTS_JSON)):
         parser.error(f"--out {args.out} already holds a run ({report.RESULTS_JSON}); give a new folder")
 
-    from ..cli import kernels_or_rerun, quiet_interpreter
+    from ..interpreter import kernels_or_rerun, quiet_interpreter
 
     rerun = kernels_or_rerun("llmkernels.bench", argv)
     if rerun is not None:

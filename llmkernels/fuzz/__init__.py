@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cli import kernels_or_rerun, quiet_interpreter
+from ..interpreter import kernels_or_rerun, quiet_interpreter
 from ..ops._launch import INTERPRET
 from .check import Mismatch, run_case
 from .specs import BUILDERS

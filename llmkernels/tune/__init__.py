@@ -199,7 +199,7 @@ def main(argv=None) -> int:
 
     from .. import __version__
     from ..bench.runner import copy_bandwidth, free_memory
-    from ..cli import kernels_or_rerun, quiet_interpreter
+    from ..interpreter import kernels_or_rerun, quiet_interpreter
     from ..ops import _device
 
     if not torch.cuda.is_available():

@@ -73,20 +73,21 @@ def test_matches_reference(bias, dtype, device):
     check_log_probs(hidden, weight, b, target, temperature=0.7, chunk_size=4, vocab_chunk_size=128)
 
 
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("chunk_size", [1, None], ids=["rows-1", "rows-default"])
-def test_low_temperature_bf16_transposed(layout, chunk_size, device):
-    """bf16 at temperature 0.05, a hidden that is a transposed view, one row a forward chunk, an
-    upstream gradient on both outputs: the backward's logits, formed over vocabulary chunks by
-    other GEMMs than the forward's, must agree with the forward's lse and E_p[z] to far better
-    than a bf16 rounding, which 1 / 0.05 would magnify (on a GPU the gradients were 1.4-3.3 times
-    their own size off when both passes rounded the logits to bf16)."""
+def test_low_temperature_bf16_transposed(layout, chunk_size, temperature, device):
+    """bf16, a hidden that is a transposed view, one row a forward chunk, an upstream gradient on
+    both outputs: the backward's logits, formed over vocabulary chunks by other GEMMs than the
+    forward's, must agree with the forward's lse and E_p[z] to better than a bf16 rounding, which
+    1 / 0.05 would magnify (on a GPU the gradients were 1.4-3.3 times their own size off when both
+    passes rounded the logits to bf16 at 0.05); at temperature 1 the logits are bf16, as unfused."""
     hidden = torch.randn(256, 39, device=device).to(torch.bfloat16)
     hidden = hidden.T if layout == "transposed" else hidden.T.contiguous()
     weight = (torch.randn(128, 256, device=device) * 3 / 16).to(torch.bfloat16)
     bias = torch.randn(128, device=device).to(torch.bfloat16)
     target = torch.randint(0, 128, (39,), device=device)
-    check_log_probs(hidden, weight, bias, target, temperature=0.05, chunk_size=chunk_size)
+    check_log_probs(hidden, weight, bias, target, temperature=temperature, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("upstream", [("logp",), ("ent",)], ids=["logp-only", "entropy-only"])

@@ -48,12 +48,10 @@ class LogProbsOptions(NamedTuple):
     need: tuple[bool, ...]  # which of hidden, weight and bias want a gradient
 
 
-def logits_dtype(hidden: torch.Tensor, temperature: float) -> torch.dtype:
-    """The logits of both passes: the backward forms them over vocabulary chunks by other GEMMs, so
-    they differ from the forward's (whose lse and E_p[z] they are paired with) by one rounding, which
-    a temperature below 1 magnifies; there they are fp32, else the input's dtype as every loss's."""
-    return torch.float32 if temperature < 1.0 else hidden.dtype
-
+# The logits of both passes in fp32: the backward's, formed over vocabulary chunks by other GEMMs,
+# then differ from the forward's (whose lse and E_p[z] they are paired with) by fp32 rounding only,
+# which 1 / temperature magnifies far less than a bf16 rounding.
+LOGITS_DTYPE = torch.float32
 
 Outputs = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
 
@@ -90,9 +88,8 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     new_rows = lambda: torch.empty(m, dtype=torch.float32, device=hidden.device)  # noqa: E731
     logp, lse = new_rows(), new_rows()
     entropy, mu = (new_rows(), new_rows()) if want_entropy else (None, None)
-    dtype = logits_dtype(hidden, options.temperature)
-    chunk = chunk_rows(m, v, dtype.itemsize, hidden.device, options.chunk_size)
-    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias), logits_dtype=dtype):
+    chunk = chunk_rows(m, v, LOGITS_DTYPE.itemsize, hidden.device, options.chunk_size)
+    for rows, logits in row_chunks(chunk, Head(hidden, weight, bias), logits_dtype=LOGITS_DTYPE):
         launch(_row_logp_kernel, (logits.shape[0],), logits, rows(target), rows(logp), rows(or_stand_in(entropy, lse)),
                rows(lse), rows(or_stand_in(mu, lse)), v, logits.stride(0), ignore_index, 1.0 / options.temperature,
                ENTROPY=want_entropy, BLOCK_V=kernel.block_v, num_warps=kernel.num_warps)
@@ -117,8 +114,7 @@ def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
     g2 = None if grad_entropy is None or not options.want_entropy else -grad_entropy.to(torch.float32)
     return vocab_grads(Head(hidden, weight, bias), lse, g1, need=options.need, b=g2, mu=None if g2 is None else mu,
                        d=g1, target=target, ignore_index=options.ignore_index, inv_temp=1.0 / options.temperature,
-                       cols=options.vocab_chunk_size, logits_dtype=logits_dtype(hidden, options.temperature),
-                       run=bwd)
+                       cols=options.vocab_chunk_size, logits_dtype=LOGITS_DTYPE, run=bwd)
 
 
 LOG_PROBS = vocab_loss_op("linear_log_probs", forward=_logp_forward, fake=_logp_fake, backward=_logp_backward,

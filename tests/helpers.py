@@ -30,6 +30,16 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e} (max abs {max_abs:.3e})"
 
 
+def exception_chain(error: BaseException) -> str:
+    """The messages of an exception and of those it was raised from or during: on the GPU, Triton's
+    compiler reports a ``static_assert`` in the error of the call that led to it, not at the top."""
+    messages = []
+    while error is not None and len(messages) < 16:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(messages)
+
+
 def cuda_peak_bytes(run, leaves=()) -> int:
     """Peak bytes that ``run()`` allocates above what was allocated before it, measured on a
     second call (the first compiles kernels and sets up cuBLAS's workspace); the gradients of

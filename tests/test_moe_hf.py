@@ -186,9 +186,9 @@ def test_expert_lora_round_trips_through_peft_format(tmp_path):
         prefix + "base_layer.lora_A.weight": (4 * 4, 64), prefix + "base_layer.lora_B.weight": (64, 4 * 4),
         prefix + "lora_A.weight": (4 * 4, 32), prefix + "lora_B.weight": (64, 4 * 4)}
     experts = experts_of(model)[0]
-    a, b = experts.lora_gate_up_A, experts.lora_gate_up_B
-    assert torch.equal(tensors[prefix + "base_layer.lora_A.weight"].view(4, 4, 64), a.detach())
-    assert torch.equal(tensors[prefix + "base_layer.lora_B.weight"][:, 4 * 1 + 2], b.detach()[2, :, 1])  # r 1, e 2
+    a, b = experts.lora_gate_up_A.detach().cpu(), experts.lora_gate_up_B.detach().cpu()  # the file's are on the CPU
+    assert torch.equal(tensors[prefix + "base_layer.lora_A.weight"].view(4, 4, 64), a)
+    assert torch.equal(tensors[prefix + "base_layer.lora_B.weight"][:, 4 * 1 + 2], b[2, :, 1])  # r 1, e 2
 
     fresh = make_moe("qwen3_moe")
     fresh.load_state_dict({n: p for n, p in model.state_dict().items() if "lora_" not in n})

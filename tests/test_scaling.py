@@ -27,13 +27,14 @@ from llmkernels.scaling.plan import ModelConfig
 from llmkernels.scaling.train import TimeUp, TrainConfig, eval_windows, lr_at, train_run
 
 # A tiny design: the standard library's email package (~0.4 MB of documents), 32-token sequences,
-# widths 16-48 in heads of 16, four budgets (two lower, two upper), batch 4 then 8.
+# widths 16-48 in heads of 16, four budgets (two lower, two upper), batch 4 then 8; on the CPU, so
+# that the pipeline's tests (time limits, several training processes) are the same on a GPU machine.
 EMAIL = os.path.dirname(email.__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--data", EMAIL, "--max-bytes", "200000", "--seq-len", "32", "--head-dim", "16", "--ladder",
         "1x16,1x32,2x32,2x48,3x48", "--budgets", "1.5e9,6e9,4", "--lower-budgets", "2", "--sizes-per-budget", "3",
         "--span", "2", "--min-tokens-per-param", "0", "--batch-rule", "3e9:4,8", "--eval-tokens", "1024",
-        "--curve-points", "3", "--curve-eval-tokens", "256", "--bootstrap", "4", "--no-progress"]
+        "--curve-points", "3", "--curve-eval-tokens", "256", "--bootstrap", "4", "--no-progress", "--device", "cpu"]
 TINY_LR = ["--lr-budgets", "0", "--lr-sizes", "1", "--lr-mults", "0.5,1,2", "--lr-rounds", "1", "--seed-budgets", "0",
            "--batch-check", "1"]
 
@@ -393,7 +394,7 @@ MINI = ["--data", EMAIL, "--max-bytes", "200000", "--seq-len", "32", "--head-dim
         "--budgets", "5e8,1e9,2", "--sizes-per-budget", "2", "--span", "2", "--min-tokens-per-param", "0",
         "--batch-rule", "4", "--eval-tokens", "1024", "--curve-points", "2", "--curve-eval-tokens", "256",
         "--bootstrap", "0", "--no-progress", "--lr", "3e-3", "--seed-budgets", "0", "--batch-check", "1",
-        "--backend", "reference"]
+        "--backend", "reference", "--device", "cpu"]
 MINI_RUNS = 7
 
 

@@ -45,3 +45,14 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its span of memory without gaps or overlaps, from its strides
+    alone (those of size-1 dims do not count: real and fake tensors may differ there)."""
+    span = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride != span:
+            return False
+        span *= size
+    return True

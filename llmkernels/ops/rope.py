@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from ._args import cdiv, check_tensor, next_pow2
+from ._args import cdiv, check_tensor, is_dense, next_pow2
 from ._device import device_of
 from ._launch import PlanCache, launcher_of, use_kernels
 from ._register import Op
@@ -235,13 +235,14 @@ def _rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: to
 
 
 def _empty_like(t, dtype, layout):
-    """A new tensor of ``t``'s shape and ``dtype``, with t's strides where t is dense (what
-    ``empty_like`` keeps), else contiguous in the kernel's ``[B, S, H, D]`` order."""
-    out = torch.empty_like(t) if t.dtype == dtype else torch.empty_like(t, dtype=dtype)
-    if layout == "bhsd" and out.stride() != t.stride():  # t is not dense
+    """``t``'s shape in ``dtype``: t's strides where t is dense (judged from them, as the fake under
+    torch.compile judges alike), else contiguous in the kernel's ``[B, S, H, D]`` order."""
+    if is_dense(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    if layout == "bhsd":
         b, h, s, d = t.shape
-        out = out.new_empty((b, s, h, d)).transpose(1, 2)
-    return out
+        return t.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
+    return t.new_empty(t.shape, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 # WHEELS (optional): a folder of wheels to install first (pytest-xdist, liger-kernel, ...).
 # TINY=1: tiny shapes and one test file, to check this script on a machine without a GPU.
 # STEPS (optional): the steps to run, of "tests host generate speed" (all by default) and "fuzz"
-# (only when named: FUZZ_CASES, FUZZ_PROCS, FUZZ_S, FUZZ_SEED), so that a session can split them over
+# (only when named: FUZZ_CASES, FUZZ_PROCS, FUZZ_S, FUZZ_SEED, FUZZ_GPUS), so that a session can split them over
 # calls of at most 10 minutes each.
 set -u
 cd "$(dirname "$0")/.."
@@ -50,10 +50,11 @@ want generate && step generate "${GENERATE_S:-120}" python3 benchmarks/generate_
   --out "$OUT/generate.json"
 if want fuzz; then  # the fuzzer's long run: FUZZ_CASES over FUZZ_PROCS processes sharing one Triton cache
   # (the parts' files stay out of OUT: a call brings back at most 8 files; their failures are in fuzz.log)
+  # (FUZZ_GPUS: the processes spread over that many GPUs, a process on GPU i % FUZZ_GPUS)
   n=${FUZZ_PROCS:-12}; per=$(( (${FUZZ_CASES:-5600} + n - 1) / n )); t0=$SECONDS; parts=$(mktemp -d)
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$here/.triton-cache}
   for i in $(seq 0 $((n - 1))); do
-    python3 -m llmkernels.fuzz --cases $per --start $((i * per)) --seed "${FUZZ_SEED:-2026112702}" \
+    env ${FUZZ_GPUS:+CUDA_VISIBLE_DEVICES=$((i % FUZZ_GPUS))} python3 -m llmkernels.fuzz --cases $per --start $((i * per)) --seed "${FUZZ_SEED:-2026112702}" \
       --budget "${FUZZ_S:-420}" --out "$parts/part$i.json" > "$parts/part$i.log" 2>&1 &
   done
   wait

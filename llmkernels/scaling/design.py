@@ -1,23 +1,32 @@
 """The experiment's design: which runs each stage trains (no torch: ``--list`` prints it without data).
 
 Stages, in order:
-  1. ``lr``: rates ``lr_mults`` x the prior rule at ``lr_sizes`` sizes of two lower budgets (the
-     smallest, and the smallest with the largest batch among the lower budgets); a (budget, size)
-     whose best rate is the lowest or highest tried gets one more rate beyond it, up to
+  1. ``lr``: rates ``lr_mults`` x the prior rule at ``lr_sizes`` sizes of the smallest budget (and,
+     when the lower budgets' batches differ, of the smallest with the largest of them); a (budget,
+     size) whose best rate is the lowest or highest tried gets one more rate beyond it, up to
      ``lr_rounds`` times. The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
   2. ``lower``: the ``lower_budgets`` smallest budgets, each at ``sizes_per_budget`` sizes about
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
-     (``tokens_per_param``), and a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets``.
+     (``tokens_per_param``), a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets`` and half the
+     batch at ``batch_check_sizes`` sizes of ``batch_budget`` (the batch check).
   3. ``upper``: the other budgets, their windows centred on ``N_opt(C)`` fitted to the lower
      budgets when that fit is good enough, else shrunk toward the prior exponent, and widened by
-     the extrapolation's uncertainty (``centre_plan``); half the batch at three sizes of the top
-     budget (the batch check).
+     the extrapolation's uncertainty (``centre_plan``).
 Sizes that would see fewer than ``min_tokens_per_param`` tokens a parameter are skipped.
 
-GPU time (``estimate``): ``plan.StepCost`` (seconds a step on one H100, fitted to the 71
-kernels-backend runs of the committed 2026-11-25 sweep) summed over every planned run; with several
-training processes each stage lasts as long as the busiest process (runs handed out longest first,
-and a stage starts when the one before it has ended), plus the data preparation and first kernel
+The default range starts above the loss's early plateau. In the 2026-11-27 4 x H100 sweep (3e13 to
+3e15 FLOPs) the held-out loss of every run fell from a plateau near 1.2-1.4 nats to below 1.0 in a
+few hundred steps once some tens of millions of tokens were seen; at 1e14-4e14 FLOPs some sizes
+(and seeds: 0.10 nats apart at L3-W192) had made that drop and their neighbours had not, which
+put structure no smooth L(N, D) fits into approach 3's residuals (0.050 in log L, 2.4x the seed
+noise) and left the three smallest budgets' parabolas without a minimum. Its runs from 8e14 up
+had all made the drop; there, without the shapes the ladder no longer has, approach 3's residual
+rms is 0.018. ``tokens_per_param`` (80) is where that sweep's parabolas at 8e14-3e15 put the
+optimum (``N = sqrt(C / (6 · 80))``: 1.3M at 8e14, 2.5M at 3e15; measured 1.27M and 2.96M).
+
+GPU time (``estimate``): ``plan.StepCost`` (seconds a step on one H100) summed over every planned
+run; with several training processes each stage lasts as long as the busiest process (runs handed
+out in the runner's order, ``run_order``, and a stage starts when the one before it has ended), plus the data preparation and first kernel
 compilations of each invocation. ``llmkernels scaling --list`` prints it for the plan at hand.
 """
 from __future__ import annotations
@@ -38,20 +47,21 @@ SEED_CHECK_OFFSET = 1000
 class Design:
     """The whole experiment (see the module docstring); budgets are indexed from 0 = smallest."""
 
-    budget_lo: float = 3e13
+    budget_lo: float = 5e14
     budget_hi: float = 3e15
-    n_budgets: int = 8
-    lower_budgets: int = 5
-    sizes_per_budget: int = 9
-    span: float = 3.0
-    tokens_per_param: float = 20.0
+    n_budgets: int = 5
+    lower_budgets: int = 3
+    sizes_per_budget: int = 7
+    span: float = 2.2
+    tokens_per_param: float = 80.0
     min_tokens_per_param: float = 2.0
     lr_budgets: tuple | None = None
     lr_sizes: int = 3
-    lr_mults: tuple = (0.25, 0.5, 1.0, 2.0, 4.0)
+    lr_mults: tuple = (0.35, 0.7, 1.4, 2.8)
     lr_rounds: int = 2
-    seed_budgets: tuple = (1, 3)
+    seed_budgets: tuple = (0,)
     batch_check_sizes: int = 3
+    batch_budget: int = 0
     backend_check: int | None = None
     backend: str = "kernels"
     check_backend: str = "reference"
@@ -61,6 +71,8 @@ class Design:
         n = self.n_budgets
         if not 1 <= self.lower_budgets <= n:
             raise ValueError(f"lower budgets must be 1..{n}, got {self.lower_budgets}")
+        if not -n <= self.batch_budget < n:
+            raise ValueError(f"the batch check's budget must index the {n} budgets, got {self.batch_budget}")
         for name in ("seed_budgets", "lr_budgets"):
             if any(not 0 <= i < n for i in getattr(self, name) or ()):
                 raise ValueError(f"{name} must index the {n} budgets, got {getattr(self, name)}")
@@ -81,12 +93,13 @@ class Design:
     # ----------------------------------------------------------------------------------------
     def lr_budget_indices(self, hp: HParams) -> tuple:
         """The given ones, or the smallest budget and the smallest lower budget with the largest
-        batch among the lower ones (so the rule is fitted at the batches it is used with)."""
+        batch among the lower ones (so the rule is fitted at the batches it is used with); the
+        smallest alone when every lower budget has one batch (the rule's batch term is then unused)."""
         if self.lr_budgets is not None:
             return tuple(self.lr_budgets)
         batches = [hp.batch(c) for c in self.budgets()[: self.lower_budgets]]
         other = batches.index(max(batches))
-        return (0, other) if other else (0, 1) if self.lower_budgets > 1 else (0,)
+        return (0, other) if other else (0,) if len(set(batches)) == 1 else (0, 1)
 
     def lr_run(self, compute: float, model: ModelConfig, mult: float, hp: HParams) -> Run:
         return make_run("lr", compute, model, LRRule(), hp, seed=self.seed, backend=self.backend, lr_mult=mult)
@@ -121,7 +134,7 @@ class Design:
                      for m in sizes]
         if index == self.backend_check:
             runs += [make_run("backend", c, m, rule, hp, seed=self.seed, backend=self.check_backend) for m in sizes]
-        if index == self.n_budgets - 1 and self.batch_check_sizes > 0 and hp.batch(c) >= 2:
+        if index == self.batch_budget % self.n_budgets and self.batch_check_sizes > 0 and hp.batch(c) >= 2:
             k = self.batch_check_sizes
             picks = sorted({round((j + 1) * (len(sizes) - 1) / (k + 1)) for j in range(k)})
             runs += [make_run("batch", c, sizes[j], rule, hp, seed=self.seed, backend=self.backend,
@@ -146,15 +159,25 @@ class Design:
         return self.stage_runs(models, rule, hp, range(self.lower_budgets, self.n_budgets), centres, spans)
 
 
-def estimate(stages: list[list[Run]], cost: StepCost = H100, pieces: int = 1, workers: int = 1) -> float:
+def run_order(runs, timed: bool) -> list:
+    """The order runs are handed out in: longest first (the processes end together), or under a
+    time limit smallest budget first (each invocation completes whole budgets), longest first
+    within a budget's stage."""
+    if timed:
+        return sorted(runs, key=lambda r: (r.budget, STAGES.index(r.stage), -H100.run_seconds(r)))
+    return sorted(runs, key=lambda r: -H100.run_seconds(r))
+
+
+def estimate(stages: list[list[Run]], cost: StepCost = H100, pieces: int = 1, workers: int = 1,
+             timed: bool = False) -> float:
     """Seconds of the runs of ``stages`` in ``pieces`` invocations on ``workers`` GPUs
-    (``plan.StepCost``): each stage's runs handed out longest first to the least busy process, a
+    (``plan.StepCost``): each stage's runs handed out in ``run_order`` to the least busy process, a
     stage lasting until its busiest process ends."""
     total = 0.0
     for stage in stages:
         loads = [0.0] * workers
-        for seconds in sorted((cost.run_seconds(r) for r in stage), reverse=True):
-            loads[loads.index(min(loads))] += seconds
+        for run in run_order(stage, timed):
+            loads[loads.index(min(loads))] += cost.run_seconds(run)
         total += max(loads)
     return total + pieces * cost.process_overhead
 
@@ -178,7 +201,7 @@ def design_from(args) -> tuple[Design, HParams, list]:
                         min_tokens_per_param=args.min_tokens_per_param, lr_budgets=_indices(args.lr_budgets),
                         lr_sizes=args.lr_sizes, lr_mults=_floats(args.lr_mults), lr_rounds=args.lr_rounds,
                         seed_budgets=tuple(i for i in _indices(args.seed_budgets) or () if i < count),
-                        batch_check_sizes=args.batch_check, backend_check=args.backend_check, backend=args.backend,
+                        batch_check_sizes=args.batch_check, batch_budget=args.batch_budget, backend_check=args.backend_check, backend=args.backend,
                         check_backend="reference" if args.backend == "kernels" else "kernels", seed=args.seed)
         hp = HParams(batch_rule=parse_batch_rule(args.batch_rule), warmup_frac=args.warmup_frac,
                      weight_decay=args.weight_decay)

@@ -11,7 +11,8 @@ batch check, no bootstrap) is "not evaluated", and so is the gate then, never "p
    rule the replicate comparison uses), and (ii) differ by at most ``AGREEMENT_TOLERANCE``, twice
    the half-width a quotable exponent may have, so that wide intervals cannot make approaches that
    disagree "agree".
-3. Batch: at the top budget, half the batch (twice the steps) at a few sizes. Every difference
+3. Batch: at one budget (the design's default: the smallest, where the runs take the fewest steps
+   and the batch matters most), half the batch (twice the steps) at a few sizes. Every difference
    ``B - B/2`` must lie within ``BATCH_SDS`` standard deviations of a seed pair's difference
    (``sqrt 2`` x one run's seed sd, in nats) or within ``BATCH_TOLERANCE``, whichever is larger:
    beyond that the batch changes the loss by more than noise explains, so the one-batch-a-budget
@@ -94,6 +95,12 @@ def _level(intervals: dict | None) -> float:
     return (intervals or {}).get("level", 0.9)
 
 
+def budgets_of(spread: dict) -> str:
+    """Where a paired check ran: "budget 5e+14" (or "budgets 5e+14, 3e+15")."""
+    cs = sorted({s["budget"] for s in spread["sizes"]})
+    return ("budget " if len(cs) == 1 else "budgets ") + ", ".join(f"{c:.3g}" for c in cs)
+
+
 def batch(batch_spread: dict | None, seed_spread: dict | None) -> dict:
     """Check 3 from the paired differences ``B - B/2`` (``report._spread``) and the seed spread."""
     if not batch_spread:
@@ -104,7 +111,7 @@ def batch(batch_spread: dict | None, seed_spread: dict | None) -> dict:
     allowed = max(BATCH_TOLERANCE, BATCH_SDS * math.sqrt(2) * sd)
     worst = max(batch_spread["sizes"], key=lambda s: abs(s["diff"]))
     ok = bool(abs(worst["diff"]) <= allowed)
-    reason = (f"B - B/2 at {batch_spread['n']} sizes of the top budget: largest |difference| {abs(worst['diff']):.4f} "
+    reason = (f"B - B/2 at {batch_spread['n']} sizes of {budgets_of(batch_spread)}: largest |difference| {abs(worst['diff']):.4f} "
               f"nats ({worst['name']}); allowed max({BATCH_TOLERANCE:g}, {BATCH_SDS:g} x sqrt 2 x seed sd "
               f"{sd:.4f}) = {allowed:.4f}" + ("" if ok else ": the batch rule shapes the profiles"))
     return _check("batch", ok, reason, allowed=allowed)

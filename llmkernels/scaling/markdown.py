@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import surface
+from . import gate, surface
 from .data import bits_per_byte
 from .literature import BESIROGLU, CHINCHILLA, CHINCHILLA_MODEL, LITERATURE, PORIAN, PORIAN_STEPS
 
@@ -237,10 +237,10 @@ def _extrapolation_lines(an: dict) -> list[str]:
 
 def _checks_lines(an: dict, results: list[dict]) -> list[str]:
     lines = ["## Checks", ""]
-    for title, sp in (("Seed to seed", an["seed_spread"]), ("Batch B minus B/2 at the top budget", an["batch_check"]),
+    for title, sp in (("Seed to seed", an["seed_spread"]), ("Batch B minus B/2", an["batch_check"]),
                       ("Kernels minus reference", an["backend_check"])):
         if sp:
-            lines.append(f"{title} ({sp['n']} sizes): mean difference {sp['mean_diff']:+.4f}, largest "
+            lines.append(f"{title} ({sp['n']} sizes, {gate.budgets_of(sp)}): mean difference {sp['mean_diff']:+.4f}, largest "
                          f"{sp['max_abs_diff']:.4f}, rms {sp['rms_diff']:.4f} nats/token.")
     if an["seed_spread"]:
         lines.append(f"One run's seed-to-seed standard deviation: {an['seed_spread']['per_run_sd']:.4f} nats/token "

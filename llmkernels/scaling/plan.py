@@ -19,12 +19,15 @@ HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a 
 SEQ_LEN = 512
 BYTE_VOCAB = 320  # 256 bytes + end-of-text, padded to a multiple of 64 for the tensor cores
 
-# (layers, width): 0.18M to 45M total parameters at the byte vocabulary, about 1.15-1.45x apart (the
-# last three fill gaps for 9-size windows 1.3x apart), width / layers between 10 and 72 (the shape matters little at fixed N: Kaplan et al. 2020).
+# (layers, width): one family of shapes, 0.6M to 18M total parameters at the byte vocabulary, about
+# 1.1-1.4x apart, depth 3 to 10 and width / layers between 16 and 48 (no two-layer or 64-wide models):
+# in the 2026-11-27 4 x H100 sweep the shallow-wide L2-W128 sat +0.06 to +0.09 in log L above the
+# fitted surface and width / layers of 64 +0.025 above it, while depth 3-6 at width / layers 16-48
+# lay within 0.01 of it on average.
 LADDER = [
-    (3, 64), (4, 64), (2, 128), (3, 128), (4, 128), (5, 128), (3, 192), (4, 192), (5, 192), (4, 256),
-    (5, 256), (6, 256), (5, 320), (6, 320), (7, 320), (6, 384), (7, 384), (8, 384), (7, 448), (8, 448), (8, 512),
-    (8, 576), (10, 576), (9, 640), (6, 64), (6, 128), (6, 192),
+    (3, 128), (4, 128), (5, 128), (6, 128), (7, 128), (4, 192), (5, 192), (6, 192), (7, 192), (8, 192),
+    (9, 192), (6, 256), (7, 256), (8, 256), (9, 256), (7, 320), (8, 320), (9, 320), (10, 320), (11, 320),
+    (9, 384), (10, 384),
 ]
 
 # bf16 dense peak of the tensor cores (vendor datasheets; SXM parts unless named) for MFU: the first
@@ -178,13 +181,15 @@ class StepCost:
 
     Fitted (least squares in log time) to the 71 kernels-backend runs of
     ``benchmarks/results/scaling-h100-2026-11-25/`` (batches 16-256, 0.18M-45M parameters): rms
-    error 2.7%, largest 5.7%. ``run_overhead`` is a run's set-up, capture and evaluations there
-    (0.3-1 s, rounded up); ``process_overhead`` an invocation's data preparation (about 25 s) and
-    first kernel compilations (up to 20 s)."""
+    error 2.7%, largest 5.7%; then the step terms scaled by 1.11, the median ratio of measured to
+    predicted steps at batch 64 of the 123 runs of ``scaling-h100x4-2026-11-27/`` (deterministic
+    kernels, four processes on one host: 1.04-1.16). ``run_overhead`` is a run's set-up, capture and
+    evaluations (0.3-1 s, rounded up); ``process_overhead`` an invocation's data preparation (about
+    25 s) and first kernel compilations (up to 20 s)."""
 
-    fixed: float = 3.4e-4
-    per_layer: float = 8.5e-5
-    rate: float = 300e12
+    fixed: float = 3.8e-4
+    per_layer: float = 9.4e-5
+    rate: float = 270e12
     width_exp: float = 0.71
     run_overhead: float = 1.0
     process_overhead: float = 45.0
@@ -210,10 +215,12 @@ class LRRule:
     ``kappa`` is fixed at 1/2 (Adam's square-root batch scaling, Malladi et al. 2022): the sweep
     tries each budget's batch but too few batches to fit it (the report lists the rule's residual
     at each batch). ``c`` and ``gamma`` come from the learning-rate sweep (``fit.fit_lr_rule``) or,
-    before it has run, are this prior."""
+    before it has run, are this prior: near the best rates of the 2026-11-27 sweep's learning-rate
+    runs that had passed the loss's early plateau (0.6M: 5.8e-3, 1.8M: 5.2e-3 at 2^15 tokens, flat
+    within 0.005 nats from 1.3e-3 to 5.2e-3), its multiples then bracketing them."""
 
-    c: float = 3e-3
-    gamma: float = 0.25
+    c: float = 5e-3
+    gamma: float = 0.35
     kappa: float = 0.5
     source: str = "prior"
 
@@ -247,13 +254,16 @@ class HParams:
 
     Batch: one per budget (``batch_rule``: up to each budget that many sequences), the same for
     every size, so that at a budget the sizes differ only in N and D (a batch per run, rounded from
-    its token count, made neighbouring sizes' step counts and losses zig-zag: issue 33). Warm-up
+    its token count, made neighbouring sizes' step counts and losses zig-zag). By default one batch
+    for every budget (64 sequences, 2^15 tokens): the 2026-11-27 sweep's steps from 16 to 32 to 64
+    sequences between budgets moved whole budgets off the fitted surface (+0.063 in log L at the
+    first budget of 32). Warm-up
     ``warmup_frac`` of the steps, then a cosine to ``min_lr_ratio`` of the peak over the run's own
     length (Chinchilla's 10x decay). AdamW (0.9, ``beta2``) with ``beta2 = 0.99`` for batches under
     2^18 tokens (every batch here: 0.95 trains small batches worse, Porian et al. 2024), decoupled
     weight decay, global clip 1."""
 
-    batch_rule: tuple = ((1e14, 16), (3e14, 32), (math.inf, 64))
+    batch_rule: tuple = ((math.inf, 64),)
     warmup_frac: float = 0.03
     min_warmup: int = 1
     min_lr_ratio: float = 0.1

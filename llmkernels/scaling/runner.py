@@ -19,14 +19,13 @@ import torch
 
 from . import data as data_mod
 from . import fit, report, surface
-from .design import centre_plan, design_from
+from .design import centre_plan, design_from, run_order
 from .plan import H100, LRRule, ladder_models
 from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, write_json
 from .train import TrainConfig, set_deterministic
 from .workers import Local, Pool, Setup, Task
 
 EXIT_INCOMPLETE = 3
-STAGE_ORDER = {"lr": 0, "sweep": 1, "seed": 2, "batch": 3, "backend": 4}
 
 
 class Estimator:
@@ -49,14 +48,6 @@ class Estimator:
 
 def _fmt_seconds(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
-
-
-def run_order(runs, timed: bool) -> list:
-    """The order runs are handed out in: longest first (the processes end together), or under a
-    time limit smallest budget first (each invocation completes whole budgets)."""
-    if timed:
-        return sorted(runs, key=lambda r: (r.budget, STAGE_ORDER[r.stage], -r.compute))
-    return sorted(runs, key=lambda r: -H100.run_seconds(r))
 
 
 def devices_for(args) -> tuple[bool, list[str]]:

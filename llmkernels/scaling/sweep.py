@@ -1,16 +1,16 @@
 """Compute-optimal scaling laws on llmkernels: IsoFLOP sweeps of small Llama-style models and the
 Chinchilla fits (approaches 1, 2 and 3), with bootstrap and profile-likelihood intervals, a quality
-gate, an extrapolation check, a learning-rate rule fitted from its own sweep, a second seed at two
-budgets and a batch check at the top budget.
+gate, an extrapolation check, a learning-rate rule fitted from its own sweep, a second seed and a
+batch check at the smallest budget.
 
 Stages, each resumable (a finished run is read back, never retrained; an interrupted one resumes
 from its checkpoint):
   1. data: the Python installation's sources (or --data), deduplicated, split by document, tokenized.
-  2. lr: a learning-rate sweep at two of the lower budgets (extended where the best rate is an edge
-     of those tried); the learning-rate rule is fitted from it.
-  3. lower: the lower budgets at sizes around the prior optimum, and a second seed at two of them.
-  4. upper: the other budgets at sizes centred on N_opt(C) fitted to the lower ones, and half the
-     batch at three sizes of the top budget.
+  2. lr: a learning-rate sweep at the smallest budget (extended where the best rate is an edge of
+     those tried); the learning-rate rule is fitted from it.
+  3. lower: the lower budgets at sizes around the prior optimum, a second seed at the smallest and
+     half the batch at three sizes of it.
+  4. upper: the other budgets at sizes centred on N_opt(C) fitted to the lower ones.
   5. report: report.md, report.json and the figures in the output folder (also from an unfinished
      sweep: whatever its runs allow).
 
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens-per-param", metavar="X", type=float, default=d.min_tokens_per_param,
                    help="skip sizes that would see fewer tokens a parameter (default: %(default)s)")
     g.add_argument("--ladder", default=None, metavar="LxW,...",
-                   help="model shapes to choose from, LAYERSxWIDTH (default: 27 shapes from 3x64 to 9x640)")
+                   help="model shapes to choose from, LAYERSxWIDTH (default: 22 shapes from 3x128 to 10x384, width / layers 16-48)")
     g.add_argument("--seq-len", metavar="N", type=int, default=SEQ_LEN, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--head-dim", metavar="N", type=int, default=64, help="attention head size (default: %(default)s)")
     g.add_argument("--backend", choices=("kernels", "reference"), default="kernels",
@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
                    help=f"budgets (0 = smallest) rerun with seed + {SEED_CHECK_OFFSET}; empty: none (default: %(default)s)")
     g.add_argument("--batch-check", metavar="N", type=int, default=d.batch_check_sizes,
-                   help="sizes of the top budget rerun at half its batch; 0: none (default: %(default)s)")
+                   help="sizes of --batch-budget rerun at half its batch; 0: none (default: %(default)s)")
+    g.add_argument("--batch-budget", metavar="INDEX", type=int, default=d.batch_budget,
+                   help="the budget of the batch check (0 = smallest, -1 = largest) (default: %(default)s)")
     g.add_argument("--backend-check", metavar="INDEX", type=int, default=None,
                    help="rerun this budget (0 = smallest) on the other backend (default: none)")
     g = p.add_argument_group("hyperparameters")
@@ -191,11 +193,11 @@ def print_plan(args, out=print) -> int:
             f"{estimate([[r]], pieces=0):>8.1f}")
     total = sum(r.compute for r in lr_runs + runs)
     stages = [lr_runs, [r for r in runs if r.budget in lower_budgets], [r for r in runs if r.budget not in lower_budgets]]
-    gpus = args.workers or 4
+    gpus, timed = args.workers or 4, args.time_limit is not None
     out(f"{len(lr_runs)} learning-rate runs (before extensions), {sum(r.stage == 'sweep' for r in runs)} IsoFLOP runs over "
         f"{design.n_budgets} budgets, {sum(r.stage != 'sweep' for r in runs)} check runs: {total:.3g} FLOPs, about "
-        f"{estimate(stages) / 60:.1f} min on one H100, {estimate(stages, workers=gpus) / 60:.1f} min on {gpus} "
-        "(design.estimate)")
+        f"{estimate(stages, timed=timed) / 60:.1f} min on one H100, {estimate(stages, workers=gpus, timed=timed) / 60:.1f} "
+        f"min on {gpus} (design.estimate{', runs in --time-limit order' if timed else ''})")
     return 0
 
 

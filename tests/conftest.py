@@ -2,8 +2,13 @@
 tensors (TRITON_INTERPRET must be set before triton is imported, so it is set here)."""
 import os
 
-import pytest
-import torch
+# Inductor's on-disk caches key a compiled graph on the graph, not on our custom ops' fake
+# implementations: a graph compiled before a fake changed would be replayed with the old layout.
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -29,6 +29,7 @@ PARABOLA_HALF_WIDTH = 3
 # A learning-rate run this far (nats) above its size's best rate stalled or diverged (the H200's
 # L6-W256 at 2x its best: +0.7) rather than sat on the smooth side of the optimum (within ~0.1).
 UNSTABLE_MARGIN = 0.25
+GAMMA_MAX = 1.0  # the rule's exponent beyond [0, 1] would extrapolate wildly past the sizes swept
 ENVELOPE_POINTS = 250  # approach 1's computes inside the budgets (60 moved a by 0.035)
 ENVELOPE_HALF_WIDTH = 3  # approach 1's parabola at a compute: the lowest size and three each side (as approach 2)
 
@@ -287,10 +288,11 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
     or the best rate tried when that is the lowest or highest (``edge``: "low" / "high") or when a
     neighbour is ``unstable`` (more than ``UNSTABLE_MARGIN`` above the best: a diverged or stalled
     run, whose loss says nothing about the optimum's position), then
-    ``log(lr*) - kappa·log(batch_tokens / 2^15) = log c - gamma·log(N / 1e6)`` by least squares.
-    Returns ``{"c", "gamma", "groups": [...], "by_batch", ...}`` (``by_batch``: the mean residual of
-    log lr* at each batch, kappa's check); ``gamma`` is None (and ``c`` their geometric mean) with
-    a single size."""
+    the rule ``log(lr*) - kappa·log(batch_tokens / 2^15) = log c - gamma·log(N / 1e6)`` from every
+    size's stable rates at once (``_joint_rule``). Returns ``{"c", "gamma", "groups": [...],
+    "by_batch", "method", ...}`` (``by_batch``: the mean residual of the sizes' log lr* at each
+    batch, kappa's check); ``gamma`` is None (and ``c`` the sizes' geometric mean) with a single
+    size."""
     groups = defaultdict(list)
     for r in lr_runs:
         groups[(r["budget"], r["name"])].append(r)
@@ -315,10 +317,16 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
         return {"ok": False, "groups": []}
     y = np.log([r["normalised"] for r in rows])
     x = np.log([r["params"] / 1e6 for r in rows])
+    method = "one parabola per size"
     if np.unique(x).size >= 2:
         slope, icpt = np.polyfit(x, y, 1)
-        gamma = float(f"{np.clip(-slope, 0.0, 1.0):.4g}")  # beyond [0, 1] the rule would extrapolate wildly
-        c = float(f"{math.exp(np.mean(y + gamma * x)):.4g}")
+        gamma = float(np.clip(-slope, 0.0, GAMMA_MAX))
+        joint = _joint_rule(rows, kappa, math.exp(np.mean(y + gamma * x)), gamma)
+        if joint is not None:
+            (c, gamma), method = joint, "one parabola shared by the sizes"
+        else:
+            c = math.exp(np.mean(y + gamma * x))
+        c, gamma = float(f"{c:.4g}"), float(f"{gamma:.4g}")
         resid = y - (np.log(c) - gamma * x)
         quality = _fit_quality(y, np.log(c) - gamma * x, 2)
     else:
@@ -328,4 +336,37 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
     by_batch = {str(b): float(np.mean([v for v, r in zip(resid, rows) if r["batch_tokens"] == b]))
                 for b in sorted({r["batch_tokens"] for r in rows})}
     return {"ok": True, "c": c, "gamma": gamma, "kappa": kappa, "groups": rows, "edges": sum(r["at_edge"] for r in rows),
-            "by_batch": by_batch, **quality}
+            "by_batch": by_batch, "method": method, **quality}
+
+
+def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tuple[float, float] | None:
+    """``(c, gamma)`` of one parabola in log lr shared by every size: its own floor each, one
+    curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the rule). Every
+    stable rate of every size informs the rule, where a size's own parabola rests on its three
+    noisiest runs (on two H100 sweeps of 2026-11-28 those put c 2.1x apart between seeds, the
+    shared parabola 1.35x). None without more stable rates than parameters or when the fit fails
+    (the caller keeps the sizes' own optima)."""
+    from scipy.optimize import least_squares
+
+    g, x, n, y = [], [], [], []
+    for i, r in enumerate(rows):
+        best = min(v for v in r["losses"] if v is not None)
+        for lr, v in zip(r["lrs"], r["losses"]):
+            if v is not None and v <= best + UNSTABLE_MARGIN:
+                g.append(i)
+                x.append(math.log(lr / (r["batch_tokens"] / 2**15) ** kappa))
+                n.append(math.log(r["params"] / 1e6))
+                y.append(v)
+    g, x, n, y = map(np.asarray, (g, x, n, y))
+    k = len(rows)
+    if y.size <= k + 3:
+        return None
+
+    def resid(p):
+        return p[:k][g] + math.exp(p[k]) * (x - (p[k + 1] - p[k + 2] * n)) ** 2 - y
+
+    lo = np.r_[np.full(k + 2, -np.inf), 0.0]
+    hi = np.r_[np.full(k + 2, np.inf), GAMMA_MAX]
+    start = np.r_[[y[g == i].min() for i in range(k)], math.log(0.05), math.log(c0), gamma0]
+    fit = least_squares(resid, np.clip(start, lo, hi), bounds=(lo, hi))
+    return (math.exp(fit.x[k + 1]), float(fit.x[k + 2])) if fit.success else None

@@ -14,23 +14,12 @@ Stages, in order:
      the extrapolation's uncertainty (``centre_plan``).
 Sizes that would see fewer than ``min_tokens_per_param`` tokens a parameter are skipped.
 
-The default range starts above the loss's early plateau. In the 2026-11-27 4 x H100 sweep (3e13 to
-3e15 FLOPs) the held-out loss of every run fell from a plateau near 1.2-1.4 nats to below 1.0 in a
-few hundred steps once some tens of millions of tokens were seen; at 1e14-4e14 FLOPs some sizes
-(and seeds: 0.10 nats apart at L3-W192) had made that drop and their neighbours had not, which
-put structure no smooth L(N, D) fits into approach 3's residuals (0.050 in log L, 2.4x the seed
-noise) and left the three smallest budgets' parabolas without a minimum. Its runs from 8e14 up
-had all made the drop; there, without the shapes the ladder no longer has, approach 3's residual
-rms is 0.018. ``tokens_per_param`` (80) is where that sweep's parabolas at 8e14-3e15 put the
-optimum (``N = sqrt(C / (6 · 80))``: 1.3M at 8e14, 2.5M at 3e15; measured 1.27M and 2.96M).
-
-The range starts at 1e15 because the drop's timing varies with the seed. In the two 4 x H100 sweeps
-of 2026-11-28 (5e14 to 3e15, seeds 0 and 1) the same run's loss differed between the seeds by 0.064
-nats rms at 5e14 and 0.024 at 7.8e14, against 0.009-0.019 from 1.2e15 up: the smallest budget's
-runs ended around the drop. The learning-rate sweep, the seed pair and the batch check all ran
-there, so the rule (its c 2.1x apart between the seeds) and the gate's seed spread carried that
-noise into every run of the sweep, where the run bootstrap cannot see it: each seed's a fell
-outside the other's interval (approach 1: 0.491 [0.347, 0.720] and 0.736 [0.538, 0.882]).
+The default range starts above the loss's early plateau and its drop (from about 1.3 nats to below
+1.0 once some tens of millions of tokens are seen), whose timing varies with size and seed: runs
+that end around it lie off any smooth L(N, D), and the learning-rate sweep, the seed pair and the
+batch check, all at the smallest budget, would carry that noise into every run of a sweep.
+``tokens_per_param`` (80) is where the parabolas above the drop put the optimum. The evidence is in
+``benchmarks/results/scaling-h100x4-2026-11-27/`` and ``-2026-11-28/``.
 
 GPU time (``estimate``): ``plan.StepCost`` (seconds a step on one H100) summed over every planned
 run; with several training processes each stage lasts as long as the busiest process (runs handed

@@ -342,10 +342,9 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
 def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tuple[float, float] | None:
     """``(c, gamma)`` of one parabola in log lr shared by every size: its own floor each, one
     curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the rule). Every
-    stable rate of every size informs the rule, where a size's own parabola rests on its three
-    noisiest runs (on two H100 sweeps of 2026-11-28 those put c 2.1x apart between seeds, the
-    shared parabola 1.35x). None without more stable rates than parameters or when the fit fails
-    (the caller keeps the sizes' own optima)."""
+    stable rate of every size informs the rule, where a size's own parabola rests on three runs
+    whose noise can move it by a factor of two. None without more stable rates than parameters or
+    when the fit fails (the caller keeps the sizes' own optima)."""
     from scipy.optimize import least_squares
 
     g, x, n, y = [], [], [], []

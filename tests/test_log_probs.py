@@ -1,7 +1,9 @@
 """linear_log_probs against the float64 reference: log-probabilities, entropy and every gradient
 for random upstream gradients of both outputs, with bias, temperature, ignored rows, several
-row and vocabulary chunks (the last ones ragged), outputs poisoned with NaN; partial gradients,
-masked classes, bad input, torch.compile."""
+vocabulary chunks (the last one ragged), outputs poisoned with NaN; partial gradients, masked
+classes, bad input, torch.compile; both passes' logits made by the same GEMM calls."""
+import importlib
+
 import pytest
 import torch
 
@@ -9,8 +11,12 @@ import llmkernels as lk
 from llmkernels import reference
 from llmkernels.testing import poisoned
 from llmkernels.ops.losses import log_probs as lp_ops
+from llmkernels.ops.losses.base import chunks as chunks_ops
 from tests.conftest import DEVICE
-from tests.helpers import assert_close
+from tests.helpers import assert_close, cuda_peak_bytes
+
+# the module (the package's attribute of that name is its function)
+vocab_grads_ops = importlib.import_module("llmkernels.ops.losses.base.vocab_grads")
 
 # The interpreter evaluates masked-out lanes too (exp of -inf padding): numpy warns.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -34,7 +40,10 @@ def make_head(m, h, v, dtype, device, *, bias=True, ignored=(3,)):
 
 def check_log_probs(hidden, weight, bias, target, *, needs=(True, True, True), entropy=True, upstream=("logp", "ent"),
                     **opts):
-    """Kernel vs float64 reference: logp, entropy and the gradients of ``sum(g1 logp + g2 entropy)``."""
+    """Kernel vs float64 reference: logp, entropy and the gradients of ``sum(g1 logp + g2 entropy)``.
+    The reference's logits are rounded to a 16-bit input's dtype, as the kernel's GEMMs (and the
+    unfused computation's) round them: at temperature 0.05 that rounding alone moves a bf16
+    entropy by up to tens of percent and the gradients by a few, which no kernel can undo."""
     dtype = hidden.dtype
     tensors = (hidden, weight, bias)
     leaves = [None if t is None else t.clone().requires_grad_(n) for t, n in zip(tensors, needs)]
@@ -42,8 +51,9 @@ def check_log_probs(hidden, weight, bias, target, *, needs=(True, True, True), e
     out = lk.linear_log_probs(*leaves[:2], target, leaves[2], return_entropy=entropy, **opts)
     logp, ent = out if entropy else (out, None)
     opts = {k: v for k, v in opts.items() if k in ("temperature", "ignore_index")}
-    ref_logp, ref_ent = reference.linear_log_probs(*refs[:2], target, refs[2], compute_dtype=torch.float64, **opts)
-    tol = dtype if dtype == torch.float32 else torch.bfloat16  # logits rounded to the input dtype, as unfused
+    ref_logp, ref_ent = reference.linear_log_probs(*refs[:2], target, refs[2], compute_dtype=torch.float64,
+                                                   logits_dtype=None if dtype == torch.float32 else dtype, **opts)
+    tol = dtype if dtype == torch.float32 else torch.bfloat16
     assert logp.dtype == torch.float32 and logp.shape == target.shape
     assert_close(logp, ref_logp, tol, "logp")
     loss, ref_loss = 0.0, 0.0
@@ -68,26 +78,25 @@ def check_log_probs(hidden, weight, bias, target, *, needs=(True, True, True), e
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_matches_reference(bias, dtype, device):
-    """4-row forward chunks and 128-column backward chunks over V = 700 (both last ones ragged)."""
+    """128-column chunks over V = 700 (the last one ragged)."""
     hidden, weight, b, target = make_head(13, 32, 700, dtype, device, bias=bias)
-    check_log_probs(hidden, weight, b, target, temperature=0.7, chunk_size=4, vocab_chunk_size=128)
+    check_log_probs(hidden, weight, b, target, temperature=0.7, vocab_chunk_size=128)
 
 
 @pytest.mark.parametrize("temperature", [0.05, 1.0])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-@pytest.mark.parametrize("chunk_size", [1, None], ids=["rows-1", "rows-default"])
-def test_low_temperature_bf16_transposed(layout, chunk_size, temperature, device):
-    """bf16, a hidden that is a transposed view, one row a forward chunk, an upstream gradient on
-    both outputs: the backward's logits, formed over vocabulary chunks by other GEMMs than the
-    forward's, must agree with the forward's lse and E_p[z] to better than a bf16 rounding, which
-    1 / 0.05 would magnify (on a GPU the gradients were 1.4-3.3 times their own size off when both
-    passes rounded the logits to bf16 at 0.05, 3.3e-2 relative at temperature 1 with a row a chunk)."""
+@pytest.mark.parametrize("cols", [32, None], ids=["cols-32", "cols-default"])
+def test_low_temperature_bf16_transposed(layout, cols, temperature, device):
+    """bf16, a hidden that is a transposed view, an upstream gradient on both outputs: the
+    backward's logits must be the forward's, to which its lse and E_p[z] belong, or a bf16
+    rounding apart is magnified by 1 / 0.05 (on a GPU the gradients were 1.4-3.3 times their own
+    size off at 0.05, 3.3e-2 relative at temperature 1, when the forward went over row chunks)."""
     hidden = torch.randn(256, 39, device=device).to(torch.bfloat16)
     hidden = hidden.T if layout == "transposed" else hidden.T.contiguous()
     weight = (torch.randn(128, 256, device=device) * 3 / 16).to(torch.bfloat16)
     bias = torch.randn(128, device=device).to(torch.bfloat16)
     target = torch.randint(0, 128, (39,), device=device)
-    check_log_probs(hidden, weight, bias, target, temperature=temperature, chunk_size=chunk_size)
+    check_log_probs(hidden, weight, bias, target, temperature=temperature, vocab_chunk_size=cols)
 
 
 @pytest.mark.parametrize("upstream", [("logp",), ("ent",)], ids=["logp-only", "entropy-only"])
@@ -100,7 +109,7 @@ def test_without_entropy_partial_grads_and_default_chunks(device):
     hidden, weight, b, target = make_head(9, 16, 300, torch.float32, device)
     check_log_probs(hidden, weight, b, target, entropy=False, temperature=2.0)
     check_log_probs(hidden, weight, b, target, needs=(True, False, False), vocab_chunk_size=100)
-    check_log_probs(hidden, weight, b, target, needs=(False, True, False), chunk_size=2)
+    check_log_probs(hidden, weight, b, target, needs=(False, True, False), vocab_chunk_size=7)
 
 
 def test_ignored_rows_contribute_nothing(device):
@@ -156,6 +165,72 @@ def test_bad_input(device):
             lk.linear_log_probs(*args, **kw)
 
 
+def _layout(t):
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def test_both_passes_make_the_same_logits(monkeypatch, device):
+    """The backward's GEMMs are the forward's, call for call (the same hidden, weight and bias
+    slices, an output of the same shape, strides and dtype), so their logits are the same bits
+    (on CUDA: cuBLAS's; a bf16 rounding apart is what once put the gradients far off). The width
+    is chosen once: a default that changed between the passes (the free memory it reads) must
+    not reach the backward."""
+    calls = {"forward": [], "backward": []}
+    phase = ["forward"]
+    make = chunks_ops.head_logits
+
+    def recorded(hidden, weight, bias, out):
+        logits = make(hidden, weight, bias, out)
+        calls[phase[0]].append(((_layout(hidden), _layout(weight), _layout(bias), tuple(out.shape), out.stride(),
+                                 out.dtype), logits.clone()))
+        return logits
+
+    widths = iter([48, 40, 40])  # the first call's width, then what a second choice would give
+    monkeypatch.setattr(chunks_ops, "head_logits", recorded)
+    for module in (lp_ops, vocab_grads_ops):
+        monkeypatch.setattr(module, "chunk_cols", lambda *args: next(widths))
+    hidden = torch.randn(64, 21, device=device).to(torch.bfloat16).T  # a transposed view
+    weight = (torch.randn(130, 64, device=device) / 8).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(130, device=device).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 130, (21,), device=device)
+    h = hidden.requires_grad_()
+    logp, ent = lk.linear_log_probs(h, weight, target, bias, temperature=0.05, return_entropy=True)
+    phase[0] = "backward"
+    (logp * torch.rand_like(logp) + ent).sum().backward()
+    forward, backward = calls["forward"], calls["backward"]
+    assert [call for call, _ in forward] == [call for call, _ in backward]
+    assert [call[1][1][0] for call, _ in forward] == [48, 48, 34]  # weight rows of each chunk
+    assert all(call[-1] == torch.bfloat16 for call, _ in forward)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(forward, backward))
+
+
+def test_chunk_size_no_longer_applies(device):
+    """``chunk_size`` (the forward's rows per chunk before it went over vocabulary chunks) is
+    accepted and checked, warns, and changes nothing."""
+    hidden, weight, b, target = make_head(9, 16, 300, torch.bfloat16, device)
+    with pytest.warns(FutureWarning, match="chunk_size no longer applies"):
+        given = lk.linear_log_probs(hidden, weight, target, b, return_entropy=True, chunk_size=2, vocab_chunk_size=64)
+    plain = lk.linear_log_probs(hidden, weight, target, b, return_entropy=True, vocab_chunk_size=64)
+    assert all(torch.equal(a, b) for a, b in zip(given, plain))
+    with pytest.raises(ValueError, match="chunk_size must be None or an int >= 1"):
+        lk.linear_log_probs(hidden, weight, target, chunk_size=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocator statistics need CUDA")
+def test_forward_peak_memory():
+    """The forward holds one [M, Cv] block of logits in hidden's dtype, as the backward does,
+    and rows of fp32 statistics: no [C, V] fp32 block, no second chunk."""
+    m, h, v, cols = 2048, 64, 8192, 1024
+    hidden = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (m,), device="cuda")
+    peak = cuda_peak_bytes(lambda: lk.linear_log_probs(hidden, weight, target, return_entropy=True,
+                                                       vocab_chunk_size=cols))
+    block = m * cols * 2
+    assert block > 2**20 + 12 * m * 4  # so that a second block would exceed the bound
+    assert peak <= block + 12 * m * 4 + 2**20, f"peak {peak} B"
+
+
 BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 
 
@@ -184,6 +259,6 @@ def test_compile_fullgraph(device):
 def test_opcheck(device):
     hidden, weight, b, target = make_head(5, 8, 40, torch.float32, device)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    options = lp_ops.LogProbsOptions(temperature=0.9, want_entropy=True, ignore_index=-100, check=True, chunk_size=2,
-                                     vocab_chunk_size=16, need=[True, True, b is not None])
+    options = lp_ops.LogProbsOptions(temperature=0.9, want_entropy=True, ignore_index=-100, check=True, cols=16,
+                                     need=[True, True, b is not None])
     torch.library.opcheck(lp_ops.LOG_PROBS.op, (h, w, target, b, *options))

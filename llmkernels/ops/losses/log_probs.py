@@ -7,12 +7,17 @@
 the primitive of RL and preference losses (GRPO, PPO, DPO: ``examples/post_training.py``).
 
 Both passes go over the same vocabulary chunks (``base.vocab_chunks``: ``[M, Cv]`` logits of Cv
-classes a GEMM, in hidden's dtype), made by the same cuBLAS calls (the same arguments, shapes
-and strides), so that the backward's recomputed logits are bitwise the forward's: the
-probabilities ``exp(z - lse)`` it forms from the forward's ``lse`` then sum to 1 whatever the
-GEMMs round (logits of the two passes formed by different GEMMs, rounded to bf16, put the
-gradients far off, the more so at low temperature). The width Cv is fixed once per call, in the
-options record, for both passes.
+classes a GEMM, in ``logits_dtype``), made by the same cuBLAS calls (the same arguments, shapes,
+strides and output dtype), so that the backward's recomputed logits are bitwise the forward's:
+the probabilities ``exp(z - lse)`` it forms from the forward's ``lse`` then sum to 1 whatever
+the GEMMs round (logits of the two passes formed by different GEMMs, rounded to bf16, put the
+gradients far off, the more so at low temperature). The width Cv and the logits' dtype are fixed
+once per call, in the options record, for both passes.
+
+The logits' dtype: by default hidden's, the values of the unfused ``hidden @ weight.T``; with
+``logits_dtype=torch.float32`` the GEMMs sum into fp32 logits that are never rounded to a 16-bit
+dtype (exact to float64 within fp32 rounding at any temperature, for twice the bytes of logits
+read and written per chunk).
 
 Forward: ``_chunk_logp_kernel`` merges each chunk into every row's running online log-sum-exp
 (``base.row_online``: the max, the sum of ``exp(z - max)``, with the entropy the sum of
@@ -39,9 +44,9 @@ from .._args import next_pow2, or_stand_in
 from .._launch import launch, reference_dtype
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
-from .base import (Head, check_chunk_sizes, check_ignore_index, check_target, check_temperature, checked_head,
-                   chunk_cols, finish_target_check, grads_needed, row_online, start_target_check, vocab_chunks,
-                   vocab_grads, vocab_loss_op)
+from .base import (Head, check_chunk_sizes, check_fp32_or_none, check_ignore_index, check_target, check_temperature,
+                   checked_head, chunk_cols, finish_target_check, grads_needed, row_online, start_target_check,
+                   vocab_chunks, vocab_grads, vocab_loss_op)
 
 
 class LogProbsOptions(NamedTuple):
@@ -53,6 +58,7 @@ class LogProbsOptions(NamedTuple):
     ignore_index: int
     check: bool  # check_targets
     cols: int  # vocabulary columns per chunk of both passes (``_chunk_width``)
+    logits_dtype: Optional[torch.dtype]  # both passes' logits: None (hidden's) or torch.float32
     need: tuple[bool, ...]  # which of hidden, weight and bias want a gradient
 
 
@@ -115,7 +121,7 @@ def _logp_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         kernel = DEFAULT_CONFIG.kernel("log_probs")
         block_v = min(kernel.block_v, next_pow2(min(cols, v)))
         state = torch.empty(2, 4, m, dtype=torch.float32, device=hidden.device)  # read one, write the other
-        for v0, n, logits in vocab_chunks(cols, Head(hidden, weight, bias)):
+        for v0, n, logits in vocab_chunks(cols, Head(hidden, weight, bias), logits_dtype=options.logits_dtype):
             k = v0 // cols % 2
             launch(_chunk_logp_kernel, (m,), logits, target, state[k], state[1 - k], logp,
                    or_stand_in(entropy, lse), lse, or_stand_in(mu, lse), m, n, v0, v, logits.stride(0), ignore_index,
@@ -142,7 +148,7 @@ def _logp_backward(ctx, bwd, grad_logp, grad_entropy, *_):
     g2 = None if grad_entropy is None or not options.want_entropy else -grad_entropy.to(torch.float32)
     return vocab_grads(Head(hidden, weight, bias), lse, g1, need=options.need, b=g2, mu=None if g2 is None else mu,
                        d=g1, target=target, ignore_index=options.ignore_index, inv_temp=1.0 / options.temperature,
-                       cols=options.cols, logits_dtype=None, run=bwd)
+                       cols=options.cols, logits_dtype=options.logits_dtype, run=bwd)
 
 
 LOG_PROBS = vocab_loss_op("linear_log_probs", forward=_logp_forward, fake=_logp_fake, backward=_logp_backward,
@@ -152,20 +158,32 @@ LOG_PROBS = vocab_loss_op("linear_log_probs", forward=_logp_forward, fake=_logp_
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
-def _chunk_width(hidden: torch.Tensor, weight: torch.Tensor, vocab_chunk_size: Optional[int]) -> int:
+def _chunk_width(hidden: torch.Tensor, weight: torch.Tensor, vocab_chunk_size: Optional[int],
+                 logits_dtype: Optional[torch.dtype]) -> int:
     """The vocabulary columns per chunk of both passes, chosen once, before the forward: the free
-    device memory it reads may have changed by the backward, whose chunks must be the forward's."""
+    device memory it reads may have changed by the backward, whose chunks must be the forward's.
+    Sized by the backward's bytes per logit (fp32 logits of a 16-bit hidden: a gradient block of
+    hidden's dtype beside them)."""
     v = weight.shape[0]
     if vocab_chunk_size is not None:
         return min(vocab_chunk_size, v)
-    return chunk_cols(hidden.shape[0], v, hidden.element_size(),
-                      None if torch.compiler.is_compiling() else hidden.device)
+    size = hidden.element_size()
+    if logits_dtype is not None and logits_dtype != hidden.dtype:
+        size += logits_dtype.itemsize
+    return chunk_cols(hidden.shape[0], v, size, None if torch.compiler.is_compiling() else hidden.device)
+
+
+def _rounded_to(hidden: torch.Tensor, logits_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype the plain-PyTorch path rounds its logits to, as the kernels' GEMMs do: hidden's
+    where it is narrower than fp32 and ``logits_dtype`` is None, else none (fp32 or wider)."""
+    return hidden.dtype if logits_dtype is None and hidden.element_size() < 4 else None
 
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0, return_entropy: bool = False,
-                     ignore_index: int = -100, check_targets: bool = True, chunk_size: Optional[int] = None,
-                     vocab_chunk_size: Optional[int] = None):
+                     ignore_index: int = -100, check_targets: bool = True,
+                     logits_dtype: Optional[torch.dtype] = None, vocab_chunk_size: Optional[int] = None,
+                     chunk_size: Optional[int] = None):
     """Per-token ``log p(target)`` under ``softmax((hidden @ weight.T + bias) / temperature)``,
     without materializing the ``[M, V]`` logits (see the module docstring).
 
@@ -179,6 +197,13 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
         check_targets: raise ValueError for a target outside ``[0, V)`` (a small kernel, one
             host wait); with False such rows give NaN (log-probability, entropy and gradient),
             on every path.
+        logits_dtype: the logits' dtype in both passes: None (default) hidden's, the values of
+            ``hidden @ weight.T`` (the unfused computation's and TRL's, the fastest), or
+            ``torch.float32``, exact to float64 at any temperature (float32 and float64 inputs
+            form their logits in their own dtype either way). Choose float32 at low temperature
+            or with an entropy bonus, where bf16 logits move the entropy by tens of percent and
+            the gradients by a few at temperature 0.05. It costs time at large vocabularies (fp32
+            logits to write and read; ``benchmarks/RESULTS.md`` section 2.6 gives the measured cost).
         vocab_chunk_size: vocabulary columns per chunk of both passes (default: ``chunk_bytes``
             of ``[M, Cv]`` logits, ``configs/linear_losses.py``, at most a quarter of the free
             device memory; under torch.compile the width is fixed at tracing, by the shapes alone).
@@ -196,6 +221,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     check_ignore_index(ignore_index)
     temperature = check_temperature(temperature)
     check_chunk_sizes(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+    check_fp32_or_none("logits_dtype", logits_dtype)
     if chunk_size is not None and not torch.compiler.is_compiling():
         warnings.warn("linear_log_probs: chunk_size no longer applies (both passes go over vocabulary chunks of "
                       "vocab_chunk_size columns)", FutureWarning, stacklevel=2)
@@ -203,9 +229,11 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     if compute is not None:
         logp, entropy = reference.linear_log_probs(hidden, weight, target, bias, temperature=temperature,
                                                    ignore_index=ignore_index, check_targets=check_targets,
-                                                   compute_dtype=compute)
+                                                   compute_dtype=compute,
+                                                   logits_dtype=_rounded_to(hidden, logits_dtype))
     else:
         options = LogProbsOptions(temperature, return_entropy, ignore_index, check_targets,
-                                  _chunk_width(hidden, weight, vocab_chunk_size), grads_needed(hidden, weight, bias))
+                                  _chunk_width(hidden, weight, vocab_chunk_size, logits_dtype), logits_dtype,
+                                  grads_needed(hidden, weight, bias))
         logp, entropy = LOG_PROBS(hidden, weight, target, bias, options)
     return (logp, entropy) if return_entropy else logp

@@ -34,9 +34,7 @@ Z_LOSS = vocab_loss_op("linear_z_loss", forward=_forward, backward=_backward, gr
 def linear_z_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", chunk_size: Optional[int] = None, vocab_chunk_size: Optional[int] = None):
     """``logsumexp(hidden @ weight.T + bias)**2`` of each row, reduced, without the ``[M, V]`` logits (PaLM
-    adds 1e-4 of it to its loss); float32. ``chunk_size``: rows of fp32 logits per forward chunk;
-    ``vocab_chunk_size``: vocabulary columns per backward chunk (defaults: ``chunk_bytes`` of logits
-    each, ``configs/linear_losses.py``); the others as :func:`llmkernels.linear_log_probs`'s."""
+    adds 1e-4 of it); float32. Rows per forward chunk: ``chunk_size``; columns per backward chunk: ``vocab_chunk_size``."""
     head = checked_head(hidden, weight, bias)
     check_reduction(reduction)
     check_chunk_sizes(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)

@@ -5,8 +5,9 @@ of forward + backward, and a check of each provider against the others.
     python benchmarks/post_training_check.py --out /tmp/tiny.json --tiny     # CPU, Triton's interpreter
 
 Targets (bf16; ``--tiny`` shrinks the shapes and runs on the CPU, no memory figures):
-  log_probs  M=16384, H=4096, V=151936: ``linear_log_probs`` (and with the entropy) against the
-             unfused computation as RL code writes it: ``logits = hidden @ weight.T`` then
+  log_probs  M=16384, H=4096, V=151936: ``linear_log_probs`` (and with the entropy), by default
+             (bf16 logits) and with ``logits_dtype=torch.float32`` (``*_fp32_logits``), against
+             the unfused computation as RL code writes it: ``logits = hidden @ weight.T`` then
              ``log_softmax`` in fp32 and ``gather`` (``unfused_fp32``), TRL's
              ``selective_log_softmax`` for bf16 logits (a bf16 ``log_softmax`` per sequence of
              1024 tokens, ``unfused_trl``), and ``torch.compile`` of the first. Upstream: random
@@ -157,10 +158,13 @@ def bench_log_probs(torch, lk, runner, shape, device, dtype):
     compiled = torch.compile(unfused_fp32, dynamic=False) if device == "cuda" else None
     providers = {
         "llmkernels": (lambda a, w: lk.linear_log_probs(a, w, target), False),
+        "llmkernels_fp32_logits": (lambda a, w: lk.linear_log_probs(a, w, target, logits_dtype=torch.float32), False),
         "unfused_fp32": (unfused_fp32, False),
         "unfused_trl": (unfused_trl, False),
         "torch_compile": (compiled, False),
         "llmkernels_entropy": (lambda a, w: lk.linear_log_probs(a, w, target, return_entropy=True), True),
+        "llmkernels_entropy_fp32_logits": (lambda a, w: lk.linear_log_probs(a, w, target, return_entropy=True,
+                                                                            logits_dtype=torch.float32), True),
         "unfused_fp32_entropy": (lambda a, w: unfused_fp32(a, w, entropy=True), True),
     }
     outputs = {}
@@ -176,8 +180,10 @@ def bench_log_probs(torch, lk, runner, shape, device, dtype):
 
         outputs[name] = runner.run("log_probs", name, step, shape, (m + v) * h * hidden.element_size())
         del a, w
-    plain = {k: outputs.get(k) for k in ("llmkernels", "unfused_fp32", "unfused_trl", "torch_compile")}
-    with_entropy = {k: outputs.get(k) for k in ("llmkernels_entropy", "unfused_fp32_entropy")}
+    plain = {k: outputs.get(k) for k in ("llmkernels", "llmkernels_fp32_logits", "unfused_fp32", "unfused_trl",
+                                         "torch_compile")}
+    with_entropy = {k: outputs.get(k) for k in ("llmkernels_entropy", "llmkernels_entropy_fp32_logits",
+                                                "unfused_fp32_entropy")}
     return {**_check("log_probs", plain, "unfused_fp32"), **_check("log_probs", with_entropy, "unfused_fp32_entropy")}
 
 
@@ -253,6 +259,9 @@ def evaluate(records):
         ("log_probs peak vs unfused_fp32", "log_probs", "llmkernels", "unfused_fp32", "peak_bytes", 0.1),
         ("log_probs peak vs unfused_trl", "log_probs", "llmkernels", "unfused_trl", "peak_bytes", 0.1),
         ("log_probs+entropy time vs unfused", "log_probs", "llmkernels_entropy", "unfused_fp32_entropy", "ms", 0.8),
+        ("log_probs fp32 logits vs default", "log_probs", "llmkernels_fp32_logits", "llmkernels", "ms", None),
+        ("log_probs+entropy fp32 vs default", "log_probs", "llmkernels_entropy_fp32_logits",
+         "llmkernels_entropy", "ms", None),
         ("distill time vs liger", "distill", "llmkernels", "liger", "ms", 0.8),
         ("distill peak vs liger", "distill", "llmkernels", "liger", "peak_bytes", 1.0),
         ("distill fast time vs liger", "distill", "llmkernels_fast", "liger", "ms", None),

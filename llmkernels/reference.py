@@ -277,7 +277,9 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, igno
                      compute_dtype=torch.float32, logits_dtype=None):
     """Per-token ``log p(target)`` and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``;
     see ``llmkernels.linear_log_probs``. Returns ``(logp [M], entropy [M])`` in float32 (float64
-    for float64 inputs), both 0 on rows whose target is ``ignore_index``."""
+    for float64 inputs), both 0 on rows whose target is ``ignore_index``. ``logits_dtype``: the
+    dtype the logits are rounded to (``_linear_logits``; None: not rounded); the op rounds them to
+    a 16-bit hidden's dtype unless its own ``logits_dtype`` is torch.float32."""
     z = _linear_logits(hidden, weight, bias, temperature, compute_dtype, logits_dtype)
     valid, in_range = _target_rows(target, z.shape[-1], ignore_index, check_targets)
     log_p = torch.log_softmax(z, dim=-1)

@@ -97,6 +97,8 @@ LOSSES = {  # (loss of (hidden, weight, target)): the losses that check their ta
     "cross_entropy": lambda h, w, t: llmkernels.cross_entropy(h @ w.T, t),
     "linear_cross_entropy": lambda h, w, t: llmkernels.linear_cross_entropy(h, w, t),
     "linear_log_probs": lambda h, w, t: llmkernels.linear_log_probs(h, w, t, return_entropy=True)[1].sum(),
+    "linear_log_probs_fp32_logits": lambda h, w, t: llmkernels.linear_log_probs(
+        h, w, t, return_entropy=True, logits_dtype=torch.float32)[1].sum(),
     "linear_distill_loss": lambda h, w, t: llmkernels.linear_distill_loss(h, w, h.detach(), 2 * w.detach(), t),
 }
 

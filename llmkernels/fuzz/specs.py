@@ -318,16 +318,17 @@ def linear_log_probs(d: Draw) -> Case:
     ignore_index = d.choice((-100, 0))
     args = dict(hidden=hidden, weight=weight, target=d.target(m, v, ignore_index),
                 bias=d.tensor((v,), dtype) if d.chance(0.3) else None, temperature=d.choice((1.0, 0.7, 2.0)),
-                return_entropy=d.chance(0.5), ignore_index=ignore_index,
-                chunk_size=d.choice((None, None, d.int(1, 9))), vocab_chunk_size=d.choice((None, None, d.int(1, 700))))
+                return_entropy=d.chance(0.5), ignore_index=ignore_index, logits_dtype=d.choice((None, torch.float32)),
+                vocab_chunk_size=d.choice((None, None, d.int(1, 700))))
 
-    def ref(a, c):
+    def ref(a, c):  # fp32 logits: the float32 pass unrounded, as the kernels keep them
         logp, entropy = reference.linear_log_probs(a["hidden"], a["weight"], a["target"], a["bias"],
                                                    temperature=a["temperature"], ignore_index=ignore_index,
-                                                   compute_dtype=c, logits_dtype=rounded(c, dtype))
+                                                   compute_dtype=c,
+                                                   logits_dtype=None if a["logits_dtype"] else rounded(c, dtype))
         return (logp, entropy) if a["return_entropy"] else (logp,)
 
-    bad = {"temperature": 0.0, "chunk_size": 0, "vocab_chunk_size": -1, "ignore_index": "x"}
+    bad = {"temperature": 0.0, "vocab_chunk_size": -1, "ignore_index": "x", "logits_dtype": torch.bfloat16}
     return Case("linear_log_probs", args, lambda a: lk.linear_log_probs(**a), ref, ("hidden", "weight", "bias"),
                 row_input="hidden",
                 bad=_common_bad(d, args, ("hidden", "weight", "target", "bias"), _one_bad(d, bad)))

@@ -33,8 +33,8 @@ Z_LOSS = vocab_loss_op("linear_z_loss", forward=_forward, backward=_backward, gr
 
 def linear_z_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", chunk_size: Optional[int] = None, vocab_chunk_size: Optional[int] = None):
-    """``logsumexp(hidden @ weight.T + bias)**2`` of each row, reduced, without the ``[M, V]`` logits (PaLM
-    adds 1e-4 of it to its loss); float32. Arguments as :func:`llmkernels.linear_log_probs`'s."""
+    """Each row's ``logsumexp(hidden @ weight.T + bias)**2``, reduced, without the ``[M, V]`` logits (PaLM adds
+    1e-4 of it); float32. ``chunk_size``: rows per forward chunk, ``vocab_chunk_size``: columns per backward chunk."""
     head = checked_head(hidden, weight, bias)
     check_reduction(reduction)
     check_chunk_sizes(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)

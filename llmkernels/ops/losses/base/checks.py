@@ -59,11 +59,16 @@ def check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
 
+def check_fp32_or_none(name: str, dtype) -> None:
+    """A dtype option that is torch.float32 or None (the inputs' dtype): ``accum_dtype``, ``logits_dtype``."""
+    if dtype is not None and dtype is not torch.float32:
+        raise ValueError(f"{name} must be torch.float32 or None, got {dtype!r}")
+
+
 def check_chunking(chunk_size, accum_dtype, memory) -> None:
     """The chunking options shared by ``linear_cross_entropy`` and ``linear_distill_loss``."""
     check_chunk_size("chunk_size", chunk_size)
-    if accum_dtype not in (None, torch.float32):
-        raise ValueError(f"accum_dtype must be torch.float32 or None, got {accum_dtype!r}")
+    check_fp32_or_none("accum_dtype", accum_dtype)
     if memory not in MEMORY_MODES:
         raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
 

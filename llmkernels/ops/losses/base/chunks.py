@@ -107,9 +107,10 @@ def chunk_rows(m: int, v: int, element_size: int, device: torch.device, chunk_si
     return _fit(m, v, element_size, device, chunk_bytes)
 
 
-def chunk_cols(m: int, v: int, element_size: int, device: torch.device,
+def chunk_cols(m: int, v: int, element_size: int, device: Optional[torch.device],
                chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> int:
-    """Columns per vocabulary chunk: ``chunk_bytes`` of ``[M, Cv]`` logits, likewise, aligned."""
+    """Columns per vocabulary chunk: ``chunk_bytes`` of ``[M, Cv]`` logits, likewise, aligned
+    (``device`` None: not capped by free memory, for a width fixed while torch.compile traces)."""
     return aligned_cols(_fit(v, m, element_size, device, chunk_bytes), v)
 
 
@@ -119,12 +120,12 @@ def aligned_cols(cols: int, v: int) -> int:
     return min(v, cdiv(cols, align) * align)
 
 
-def _fit(n: int, other: int, element_size: int, device: torch.device, chunk_bytes: int) -> int:
+def _fit(n: int, other: int, element_size: int, device: Optional[torch.device], chunk_bytes: int) -> int:
     """Slices of ``n`` whose ``[slice, other]`` logits take ``chunk_bytes`` (at most a quarter of
     the free device memory), evened out."""
     per = max(1, other) * element_size
     size = max(1, chunk_bytes // per)
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         size = max(1, min(size, free // (4 * per)))
     size = min(n, size)

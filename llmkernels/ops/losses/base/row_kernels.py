@@ -45,14 +45,10 @@ def online_step(z, m):
 
 
 @triton.jit
-def row_lse(x_row, V, inv_temp, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SUM: tl.constexpr):
-    """A row's ``lse`` of ``z = x * inv_temp`` (``x_row``: its first logit, V of them) by an
-    online log-sum-exp, with its sum of exps ``s`` and, with ENTROPY, ``w = sum(exp(z - m) * z)``
-    rescaled alike (``w / s = E_p[z]``), with SUM the plain sum of z: ``(lse, s, w, z_sum)``."""
-    m = tl.full([1], float("-inf"), tl.float32)
-    s = tl.zeros([1], dtype=tl.float32)
-    w = tl.zeros([1], dtype=tl.float32)
-    z_sum = tl.zeros([1], dtype=tl.float32)
+def row_online(x_row, V, inv_temp, m, s, w, z_sum, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SUM: tl.constexpr):
+    """``row_lse``'s online log-sum-exp carried on over V more logits (``x_row``: the first) from
+    a row's running state ``(m, s, w, z_sum)`` (each ``[1]`` fp32): the state updated. A row cut
+    into pieces (vocabulary chunks) is thus reduced exactly as in one pass."""
     for offset in range(0, V, BLOCK_V):
         cols = offset + tl.arange(0, BLOCK_V)
         mask = (cols < V)[None, :]
@@ -63,6 +59,16 @@ def row_lse(x_row, V, inv_temp, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SU
             w = w * scale + tl.sum(tl.where(e > 0, e * z, 0.0), axis=1)  # masked classes: e = 0, z = -inf
         if SUM:
             z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+    return m, s, w, z_sum
+
+
+@triton.jit
+def row_lse(x_row, V, inv_temp, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SUM: tl.constexpr):
+    """A row's ``lse`` of ``z = x * inv_temp`` (``x_row``: its first logit, V of them) by an
+    online log-sum-exp, with its sum of exps ``s`` and, with ENTROPY, ``w = sum(exp(z - m) * z)``
+    rescaled alike (``w / s = E_p[z]``), with SUM the plain sum of z: ``(lse, s, w, z_sum)``."""
+    zero = tl.zeros([1], dtype=tl.float32)
+    m, s, w, z_sum = row_online(x_row, V, inv_temp, zero + float("-inf"), zero, zero, zero, BLOCK_V, ENTROPY, SUM)
     return tl.where(m == float("-inf"), 0.0, m) + tl.log(s), s, w, z_sum
 
 

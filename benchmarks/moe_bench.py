@@ -55,9 +55,9 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {name: version(name) for name in ("torch", "triton", "transformers", "liger-kernel", "sonicmoe",
-                                             "nvidia-cutlass-dsl")} | {"llmkernels": llmkernels.__version__,
-                                                                       "python": platform.python_version()}
+    return {name: version(name) for name in ("torch", "triton", "transformers", "liger-kernel", "sonic-moe",
+                                             "quack-kernels", "nvidia-cutlass-dsl")} | {
+        "llmkernels": llmkernels.__version__, "python": platform.python_version()}
 
 
 def timer(device: torch.device):

@@ -4,7 +4,7 @@
 # eager host cost per call beside torch's, and what each private API saves (host_paths.py). Each step has its own time limit and writes under OUT,
 # so a slow step costs only its own figures.
 #
-#   OLD=/path/to/old/checkout OUT=/path/to/out bash benchmarks/gpu_check.sh
+#   OLD=/path/to/old/checkout OUT=/path/to/out bash benchmarks/gpu_check.sh   (paths relative to the caller's directory too)
 #
 # OLD holds the older `llmkernels` package (e.g. `git archive <commit> llmkernels | tar -x -C OLD`).
 # WHEELS (optional): a folder of wheels to install first (pytest-xdist, liger-kernel, ...).
@@ -13,9 +13,12 @@
 # (only when named: FUZZ_CASES, FUZZ_PROCS, FUZZ_S, FUZZ_SEED, FUZZ_GPUS), so that a session can split them over
 # calls of at most 10 minutes each.
 set -u
-cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}" "${OLD:?set OLD}"
 mkdir -p "$OUT"
+# Absolute paths, taken from the caller's directory: the speed step runs from OLD.
+OUT=$(cd "$OUT" && pwd) && OLD=$(cd "$OLD" && pwd) || exit 2
+[ -n "${WHEELS:-}" ] && { WHEELS=$(cd "$WHEELS" && pwd) || exit 2; }
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 site=
 if [ -n "${WHEELS:-}" ]; then

@@ -10,7 +10,10 @@ the card measured in the same run as the ceiling.
     python benchmarks/moe_bench.py --tiny          # CPU (Triton's interpreter): tiny shapes, a dry run
 
 Writes ``moe_bench.json`` and ``moe_bench.md`` under ``--out`` (default ``$OUT``, else
-``./moe-bench``). A provider that fails records its error and the run goes on.
+``./moe-bench``) after every provider, so a run killed from outside keeps what it measured. A
+provider that fails records its error and the run goes on. ``--budget`` counts from the process's
+start (imports, references, compilation included); past it no case and no provider starts, so
+leave the slowest provider's time (about a minute) between it and any outside limit.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import sys
 import time
 import traceback
 from datetime import date
+
+START = time.time()  # the budget counts from here, imports included, as an outside timeout would
 
 if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,9 +55,9 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {name: version(name) for name in ("torch", "triton", "transformers", "liger-kernel", "sonicmoe",
-                                             "nvidia-cutlass-dsl")} | {"llmkernels": llmkernels.__version__,
-                                                                       "python": platform.python_version()}
+    return {name: version(name) for name in ("torch", "triton", "transformers", "liger-kernel", "sonic-moe",
+                                             "quack-kernels", "nvidia-cutlass-dsl")} | {
+        "llmkernels": llmkernels.__version__, "python": platform.python_version()}
 
 
 def timer(device: torch.device):
@@ -60,7 +65,8 @@ def timer(device: torch.device):
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn, slow: do_bench(fn, warmup=1 if slow else 25, rep=1 if slow else 200, return_mode="median")
+        # rep in ms: a call of 0.3 s gets about three timed calls, not a single one
+        return lambda fn, slow: do_bench(fn, warmup=1 if slow else 25, rep=1000 if slow else 200, return_mode="median")
 
     def loop(fn, slow):
         fn()
@@ -87,7 +93,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, deadline: float) -> dict:
+SPENT = "skipped: the run's time budget is spent"
+
+
+def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, deadline: float, save) -> dict:
+    """One shape, every provider; ``save()`` after the calibration and after every provider."""
+    if time.time() > deadline:  # a skipped case pays for neither the float32 reference nor the calibration
+        return {"shape": shape, "providers": {p: {"status": SPENT} for p in providers}}
     torch.manual_seed(0)
     inputs = ops_moe.make_inputs(shape, torch.bfloat16, device)
     d_out = torch.randn(shape["M"], shape["H"], device=device, dtype=torch.bfloat16)
@@ -99,11 +111,13 @@ def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, 
     del refs, ref, ref_grads
     case = {"shape": shape, "routed_tflop_fwd_bwd": ops_moe.routed_flops(shape, "fwd+bwd") / 1e12,
             "gemm_ceiling_tflops": gemm_ceiling(device, shape, ms), "providers": {}}
+    save(name, case)
     for provider in providers:
         record = case["providers"][provider] = {}
         if time.time() > deadline:
-            record["status"] = "skipped: the run's time budget is spent"
+            record["status"] = SPENT
             continue
+        start = time.time()
         spec = ops_moe.PROVIDERS[provider]
         if spec.gpu_only and device.type != "cuda":
             record["status"] = "skipped: needs a GPU"
@@ -122,7 +136,9 @@ def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, 
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        record["wall_s"] = time.time() - start  # compilation and checks included: what the budget pays
         print(f"{name:12s} {provider:18s} {summary(record)}", flush=True)
+        save(name, case)
     return case
 
 
@@ -162,17 +178,20 @@ def markdown(result: dict) -> str:
     lines = [f"# MoE experts, forward + backward ({result['meta']['device']}, {result['meta']['date']})", "",
              f"bf16, routing given; TFLOP/s of the routed FLOPs; versions: {result['meta']['versions']}", ""]
     for name, case in result["cases"].items():
-        s, ceiling = case["shape"], case["gemm_ceiling_tflops"]
+        s, ceiling = case["shape"], case.get("gemm_ceiling_tflops")
+        calibration = "Not measured: the budget was spent." if not ceiling else (
+            f"Dense bf16 GEMM in this run: {ceiling['square']:.0f} TFLOP/s (8192^3), {ceiling['layer']:.0f} "
+            "TFLOP/s (the gate/up GEMM as one dense GEMM).")
         lines += [f"## {name}: T {s['M']} tokens, E {s['E']}, top-{s['K']}, H {s['H']}, I {s['I']}", "",
-                  f"Dense bf16 GEMM in this run: {ceiling['square']:.0f} TFLOP/s (8192^3), {ceiling['layer']:.0f} "
-                  f"TFLOP/s (the gate/up GEMM as one dense GEMM).", "",
-                  "| provider | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | max rel err | status |",
-                  "|---|---|---|---|---|---|---|"]
+                  calibration, "",
+                  "| provider | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | max rel err | s | status |",
+                  "|---|---|---|---|---|---|---|---|"]
         for provider, r in case["providers"].items():
             ok = r.get("status") == "ok"
             cells = [f"{r['fwd_ms']:.2f}", f"{r['fwd_bwd_ms']:.2f}", f"{r['tflops_fwd_bwd']:.0f}",
                      f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-",
                      f"{max(r['errors'].values()):.1e}"] if ok else ["-"] * 5
+            cells.append(f"{r['wall_s']:.0f}" if "wall_s" in r else "-")
             lines.append(f"| {provider} | " + " | ".join(cells) + f" | {r.get('status', '')} |")
         lines.append("")
     return "\n".join(lines)
@@ -184,26 +203,37 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=None, help=f"comma-separated subset of {list(CASES)}")
     parser.add_argument("--providers", default=None, help=f"comma-separated subset of {list(ops_moe.PROVIDERS)}")
     parser.add_argument("--out", default=os.environ.get("OUT") or "moe-bench")
-    parser.add_argument("--budget", type=float, default=540.0, help="seconds; later providers are skipped past it")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds from the process's start; no case or provider starts past it")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     table = TINY if device.type == "cpu" else CASES
     cases = args.cases.split(",") if args.cases else list(table)
     providers = args.providers.split(",") if args.providers else list(ops_moe.PROVIDERS)
-    deadline = time.time() + args.budget
+    deadline = START + args.budget
     ms = timer(device)
     result = {"meta": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
                        "date": date.today().isoformat(), "versions": versions(), "command": " ".join(sys.argv)},
               "cases": {}}
-    for name in cases:
-        result["cases"][name] = run_case(name, table[name], providers, device, ms, deadline)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
-        f.write(markdown(result))
+
+    def save(name: str, case: dict):
+        result["cases"][name] = case
+        write(result, args.out)
+
+    for name in cases:
+        save(name, run_case(name, table[name], providers, device, ms, deadline, save))
     print(markdown(result))
     return 0
+
+
+def write(result: dict, out: str):
+    """The JSON and the markdown, each replaced whole (a kill mid-write leaves the previous file)."""
+    for file, text in (("moe_bench.json", json.dumps(result, indent=2)), ("moe_bench.md", markdown(result))):
+        path = os.path.join(out, file)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

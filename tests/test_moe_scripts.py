@@ -11,9 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script: str, out: str) -> dict:
+def _run(script: str, out: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--tiny", "--out", out],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--tiny", "--out", out, *args],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = script.removesuffix(".py")
@@ -30,6 +30,15 @@ def test_moe_bench_tiny(tmp_path):
             record = case["providers"][provider]
             assert record["status"] == "ok", record
             assert max(record["errors"].values()) < 3e-2  # bf16 (the interpreter rounds toward zero)
+
+
+def test_moe_bench_spent_budget_skips_whole_cases(tmp_path):
+    """Past the budget a case costs nothing: no reference, no GEMM calibration, every provider skipped."""
+    result = _run("moe_bench.py", str(tmp_path), "--budget", "0")
+    assert result["cases"]
+    for case in result["cases"].values():
+        assert "gemm_ceiling_tflops" not in case
+        assert {r["status"] for r in case["providers"].values()} == {"skipped: the run's time budget is spent"}
 
 
 @pytest.mark.slow

@@ -60,6 +60,12 @@ def versions() -> dict:
         "llmkernels": llmkernels.__version__, "python": platform.python_version()}
 
 
+def meta(device: torch.device) -> dict:
+    """The run's card, date, versions and command line."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+            "date": date.today().isoformat(), "versions": versions(), "command": " ".join(sys.argv)}
+
+
 def timer(device: torch.device):
     """``ms(fn, slow)``: the median time of ``fn`` (do_bench on a GPU, a loop on the CPU)."""
     if device.type == "cuda":
@@ -96,14 +102,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 SPENT = "skipped: the run's time budget is spent"
 
 
+def case_inputs(shape: dict, device: torch.device) -> tuple[dict, dict, torch.Tensor]:
+    """``(inputs, leaves, d_out)`` of a case, the same in every script: ``ops_moe.make_inputs`` in
+    bf16 from seed 0, those of them that take gradients (now requiring them), the upstream gradient."""
+    torch.manual_seed(0)
+    inputs = ops_moe.make_inputs(shape, torch.bfloat16, device)
+    d_out = torch.randn(shape["M"], shape["H"], device=device, dtype=torch.bfloat16)
+    return inputs, {k: v.requires_grad_() for k, v in inputs.items() if k in ops_moe.GRAD_INPUTS}, d_out
+
+
 def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, deadline: float, save) -> dict:
     """One shape, every provider; ``save()`` after the calibration and after every provider."""
     if time.time() > deadline:  # a skipped case pays for neither the float32 reference nor the calibration
         return {"shape": shape, "providers": {p: {"status": SPENT} for p in providers}}
-    torch.manual_seed(0)
-    inputs = ops_moe.make_inputs(shape, torch.bfloat16, device)
-    d_out = torch.randn(shape["M"], shape["H"], device=device, dtype=torch.bfloat16)
-    leaves = {k: v.requires_grad_() for k, v in inputs.items() if k in ops_moe.GRAD_INPUTS}
+    inputs, leaves, d_out = case_inputs(shape, device)
     refs = {k: v.detach().float().requires_grad_() if k in leaves else v for k, v in inputs.items()}
     ref = reference_moe.experts(**refs, model_dtype=torch.bfloat16, compute_dtype=torch.float32)
     ref_grads = torch.autograd.grad(ref, [refs[k] for k in leaves], d_out.float())
@@ -143,15 +155,31 @@ def run_case(name: str, shape: dict, providers: list, device: torch.device, ms, 
 
 
 def measure(fn, inputs, leaves, d_out, expected, shape, device, ms, slow) -> dict:
+    """``fn``'s errors against ``expected``, then its ``timings``."""
+    forward_backward = forward_backward_of(fn, inputs, leaves, d_out)
+    return {"errors": errors_of(forward_backward, leaves, expected),
+            **timings(fn, forward_backward, inputs, shape, device, ms, slow)}
+
+
+def forward_backward_of(fn, inputs, leaves, d_out):
+    """``fn``'s output and the gradients of ``leaves`` from ``d_out``, as one call."""
     def forward_backward():
         out = fn(**inputs)
         return out, torch.autograd.grad(out, list(leaves.values()), d_out)
+    return forward_backward
 
+
+def errors_of(forward_backward, leaves, expected) -> dict:
+    """The relative error of the output and of each gradient against ``expected``."""
     out, grads = forward_backward()
-    errors = {"out": rel_err(out, expected["out"]),
-              **{f"d{k}": rel_err(g, expected[f"d{k}"]) for k, g in zip(leaves, grads)}}
-    del out, grads
-    record = {"errors": errors}
+    return {"out": rel_err(out, expected["out"]),
+            **{f"d{k}": rel_err(g, expected[f"d{k}"]) for k, g in zip(leaves, grads)}}
+
+
+def timings(fn, forward_backward, inputs, shape, device, ms, slow) -> dict:
+    """The peak memory a forward + backward adds (GPU), the times of the forward and of the
+    forward + backward, and the TFLOP/s of the latter."""
+    record = {}
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -197,14 +225,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_parser(doc: str, out: str, budget: float, past_budget: str) -> argparse.ArgumentParser:
+    """The options of the MoE scripts: --tiny, --cases, --out (``$OUT``, else ``out``), --budget."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     parser.add_argument("--cases", default=None, help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--out", default=os.environ.get("OUT") or out)
+    parser.add_argument("--budget", type=float, default=budget, help=f"seconds from the process's start; {past_budget}")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = common_parser(__doc__, "moe-bench", 540.0, "no case or provider starts past it")
     parser.add_argument("--providers", default=None, help=f"comma-separated subset of {list(ops_moe.PROVIDERS)}")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "moe-bench")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="seconds from the process's start; no case or provider starts past it")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     table = TINY if device.type == "cpu" else CASES
@@ -212,14 +245,12 @@ def main(argv=None) -> int:
     providers = args.providers.split(",") if args.providers else list(ops_moe.PROVIDERS)
     deadline = START + args.budget
     ms = timer(device)
-    result = {"meta": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-                       "date": date.today().isoformat(), "versions": versions(), "command": " ".join(sys.argv)},
-              "cases": {}}
+    result = {"meta": meta(device), "cases": {}}
     os.makedirs(args.out, exist_ok=True)
 
     def save(name: str, case: dict):
         result["cases"][name] = case
-        write(result, args.out)
+        write(args.out, {"moe_bench.json": json.dumps(result, indent=2), "moe_bench.md": markdown(result)})
 
     for name in cases:
         save(name, run_case(name, table[name], providers, device, ms, deadline, save))
@@ -227,9 +258,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def write(result: dict, out: str):
-    """The JSON and the markdown, each replaced whole (a kill mid-write leaves the previous file)."""
-    for file, text in (("moe_bench.json", json.dumps(result, indent=2)), ("moe_bench.md", markdown(result))):
+def write(out: str, texts: dict):
+    """``texts`` by file name under ``out``, each replaced whole (a kill mid-write leaves the previous file)."""
+    for file, text in texts.items():
         path = os.path.join(out, file)
         with open(path + ".tmp", "w") as f:
             f.write(text)

@@ -1,12 +1,18 @@
 """The MoE GPU scripts run end to end on CPU at tiny size (``--tiny``, Triton's interpreter), so
 that their first GPU call works: every provider that can run here checked against the float32
 reference, the JSON and markdown written."""
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+import llmkernels
+from llmkernels.ops.moe.configs import INTERPRETER, GemmTiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,3 +55,67 @@ def test_moe_lora_bench_tiny(tmp_path):
     peft = result["runs"]["transformers+peft"]
     if peft["status"] == "ok":  # the same weights and adapters: the same losses, to bf16's tolerance
         assert max(abs(a - b) / b for a, b in zip(ours["losses"], peft["losses"])) < 2e-2
+
+
+def test_moe_tiles_tiny(tmp_path):
+    """One tiny case, one candidate: every row measured, each kernel of the default and of the
+    candidate timed alone under its step's name, PyTorch's bare GEMMs beside them."""
+    result = _run("moe_tiles.py", str(tmp_path), "--cases", "tiny-mixtral", "--candidates",
+                  "gate_up-128x128x64-w8-s3")
+    case = result["cases"]["tiny-mixtral"]
+    rows = case["rows"]
+    for name in ("default", "torch_grouped_mm", "gate_up-128x128x64-w8-s3"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert max(rows["gate_up-128x128x64-w8-s3"]["errors"].values()) <= 1e-2
+    assert rows["gate_up-128x128x64-w8-s3"]["config"]["gate_up"]["block_n"] == 128
+    assert rows["best-per-gemm"]["status"] == "ok" or rows["best-per-gemm"]["status"].startswith("skipped: the same")
+    steps = {"fwd gate_up", "fwd down", "fwd combine", "bwd dh", "bwd d down_proj", "bwd dx", "bwd dx combine",
+             "bwd d gate_up_proj"}
+    assert set(rows["default"]["steps"]) == set(rows["gate_up-128x128x64-w8-s3"]["steps"]) == steps
+    assert set(case["torch_steps"]["steps"]) == steps - {"fwd combine", "bwd dx combine"}
+
+
+
+def _tiles_module():
+    """benchmarks/moe_tiles.py as a module (with benchmarks/ on the path, as the script runs)."""
+    if os.path.join(ROOT, "benchmarks") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    return importlib.import_module("moe_tiles")
+
+
+def test_moe_tiles_records_mismatch_and_compile_error():
+    """A candidate whose results differ from the default's is not timed; one that does not
+    compile records its error; neither raises."""
+    tiles = _tiles_module()
+    import moe_bench
+
+    device = torch.device("cpu")
+    shape = moe_bench.TINY["tiny-mixtral"]
+    bench = tiles.Bench(shape, *moe_bench.case_inputs(shape, device), device, moe_bench.timer(device))
+    out = llmkernels.moe_experts(**bench.inputs, config=INTERPRETER)
+    grads = torch.autograd.grad(out, list(bench.leaves.values()), bench.d_out)
+    expected = {"out": out.detach() * 1.02, **{f"d{k}": g for k, g in zip(bench.leaves, grads)}}
+    record = tiles.run_config(INTERPRETER, bench, expected)
+    assert record["status"].startswith("mismatch") and "fwd_ms" not in record
+    assert 1e-2 < record["errors"]["out"] < 3e-2 and max(v for k, v in record["errors"].items() if k != "out") == 0
+    broken = dataclasses.replace(INTERPRETER, down=GemmTiles(48, 64, 64, 4, 1))  # a row tile of 48: no power of 2
+    record = tiles.run_config(broken, bench, expected)
+    assert record["status"].startswith("error:") and "power of 2" in record["status"]
+
+
+def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
+    tiles = _tiles_module()
+    cpu = torch.device("cpu")
+    fast_gate_up = tiles.candidate_config(tiles.BY_NAME["gate_up-128x128x64-w8-s3"], INTERPRETER, cpu)
+    fast_weight_grad = tiles.candidate_config(tiles.BY_NAME["weight_grad-128x128x64-w8-s3"], INTERPRETER, cpu)
+
+    def record(**ms):  # every step 1 ms but those of the fields named
+        return {"status": "ok", "steps": {s.name: {"ms": ms.get(s.field, 1.0), "field": s.field}
+                                          for s in tiles.STEPS.values()}}
+    measured = {"default": (INTERPRETER, record()), "a": (fast_gate_up, record(gate_up=0.5, weight_grad=2.0)),
+                "b": (fast_weight_grad, record(weight_grad=0.5, down=3.0)),
+                "failed": (INTERPRETER, {"status": "error: ..."})}
+    best = tiles.best_per_gemm(measured, INTERPRETER)
+    assert best.gate_up == fast_gate_up.gate_up == GemmTiles(128, 128, 64, 8, 3)
+    assert best.weight_grad == fast_weight_grad.weight_grad == GemmTiles(128, 128, 64, 8, 3)
+    assert (best.down, best.down_bwd, best.combine) == (INTERPRETER.down, INTERPRETER.down_bwd, INTERPRETER.combine)

@@ -78,12 +78,18 @@ def _sorted_offsets(top_k_index: torch.Tensor, n_experts: int) -> tuple:
     return order, torch.searchsorted(experts, bounds).to(torch.int32)
 
 
-def torch_grouped_mm():
-    """``grouped_mm`` with the tokens permuted by PyTorch: gather, two grouped GEMMs, SiLU-and-mul,
-    the weights, and the unpermute as a scatter to slot order and a sum over k."""
+def grouped_mm():
+    """``F.grouped_mm``, or ``torch._grouped_mm`` where this torch has only that."""
     mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if mm is None:
         raise Unavailable(f"torch {torch.__version__} has no grouped_mm")
+    return mm
+
+
+def torch_grouped_mm():
+    """``grouped_mm`` with the tokens permuted by PyTorch: gather, two grouped GEMMs, SiLU-and-mul,
+    the weights, and the unpermute as a scatter to slot order and a sum over k."""
+    mm = grouped_mm()
 
     def fn(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
         t, k = top_k_index.shape

@@ -16,7 +16,7 @@ bf16) before it is timed; one that does not compile (shared memory, registers) r
 and the run goes on.
 
     python benchmarks/moe_tiles.py --out $OUT      # GPU: mixtral-8k then qwen3-8k, about 6 minutes
-    python benchmarks/moe_tiles.py --tiny          # CPU (Triton's interpreter): tiny shapes, two candidates
+    python benchmarks/moe_tiles.py --tiny          # CPU (Triton's interpreter): tiny shapes, three candidates
 
 Writes ``moe_tiles.json`` and ``moe_tiles.md`` under ``--out`` (default ``$OUT``, else
 ``./moe-tiles``) after every configuration. ``--budget`` counts from the process's start; each
@@ -61,7 +61,8 @@ FIELDS = ("gate_up", "down", "down_bwd", "weight_grad")  # the MoeConfig fields 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A configuration to try: the default's launches with the named GEMMs' tiles in their place
-    (None: the default's), stages lowered to what the card's shared memory holds."""
+    (None: the default's), stages lowered to what the card's shared memory holds, and every
+    GEMM's row tiles in groups of ``group_m`` (``GemmTiles.group_m``)."""
 
     name: str
     why: str
@@ -69,6 +70,7 @@ class Candidate:
     down: Optional[GemmTiles] = None
     down_bwd: Optional[GemmTiles] = None
     weight_grad: Optional[GemmTiles] = None
+    group_m: int = 1
 
 
 def vary(field: str, m: int, n: int, k: int, warps: int, stages: int, why: str) -> Candidate:
@@ -99,18 +101,32 @@ CANDIDATES = (
     Candidate("large", "each GEMM's larger tiles together", gate_up=GemmTiles(128, 128, 64, 8, 3),
               down=GemmTiles(128, 256, 64, 8, 3), down_bwd=GemmTiles(128, 128, 64, 8, 4),
               weight_grad=GemmTiles(128, 256, 64, 8, 3)),
+    # Programs run row tile by row tile by default, so at Mixtral's sizes (an expert's weight far
+    # larger than L2) each running program streams its own weight tile from HBM; in groups, the
+    # programs running together share one.
+    Candidate("grouped-4", "the default's tiles, row tiles in groups of 4", group_m=4),
+    Candidate("grouped-8", "the default's tiles, row tiles in groups of 8", group_m=8),
+    Candidate("grouped-16", "the default's tiles, row tiles in groups of 16", group_m=16),
+    Candidate("large-grouped-8", "each GEMM's larger tiles together, row tiles in groups of 8",
+              gate_up=GemmTiles(128, 128, 64, 8, 3), down=GemmTiles(128, 256, 64, 8, 3),
+              down_bwd=GemmTiles(128, 128, 64, 8, 4), weight_grad=GemmTiles(128, 256, 64, 8, 3), group_m=8),
 )
 BY_NAME = {c.name: c for c in CANDIDATES}
-# Under the interpreter a forward + backward of large tiles takes seconds: --tiny tries two.
-TINY_CANDIDATES = ("gate_up-128x128x64-w8-s3", "weight_grad-128x128x64-w8-s3")
+# Under the interpreter a forward + backward of large tiles takes seconds: --tiny tries three.
+TINY_CANDIDATES = ("gate_up-128x128x64-w8-s3", "weight_grad-128x128x64-w8-s3", "grouped-4")
 BEST = "best-per-gemm"
 
 
 def candidate_config(candidate: Candidate, default: MoeConfig, device: torch.device) -> MoeConfig:
-    """The default with ``candidate``'s tiles, each with the stages ``device`` holds (configs._staged)."""
-    return dataclasses.replace(default, **{
-        field: _staged(tiles, device, operands=3 if field == "gate_up" else 2)
-        for field in FIELDS if (tiles := getattr(candidate, field)) is not None})
+    """The default with ``candidate``'s tiles, each with the stages ``device`` holds
+    (configs._staged), every GEMM's row tiles in groups of ``candidate.group_m``."""
+    def tiles_of(field: str) -> GemmTiles:
+        tiles = getattr(candidate, field)
+        if tiles is None:
+            return dataclasses.replace(getattr(default, field), group_m=candidate.group_m)
+        return dataclasses.replace(_staged(tiles, device, operands=3 if field == "gate_up" else 2),
+                                   group_m=candidate.group_m)
+    return dataclasses.replace(default, **{field: tiles_of(field) for field in FIELDS})
 
 
 class Step(NamedTuple):
@@ -324,7 +340,9 @@ def report(name: str, rows: dict, save, case: dict):
 # the markdown
 # --------------------------------------------------------------------------------------------
 def tiles_text(tiles: dict) -> str:
-    return f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} w{tiles['num_warps']} s{tiles['num_stages']}"
+    group = f" g{tiles['group_m']}" if tiles.get("group_m", 1) > 1 else ""
+    shape = f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}"
+    return f"{shape} w{tiles['num_warps']} s{tiles['num_stages']}{group}"
 
 
 def changes(name: str, record: dict, default: dict) -> str:

@@ -11,7 +11,8 @@ import llmkernels as lk
 from llmkernels import reference_moe
 from llmkernels.testing import poisoned
 from llmkernels.fuzz.specs import toward_zero
-from llmkernels.ops.moe import GemmTiles, MoeConfig
+from llmkernels.ops._triton import tl, triton
+from llmkernels.ops.moe import GemmTiles, MoeConfig, kernels
 from llmkernels.ops.moe.configs import CombineTiles
 
 from tests.conftest import DEVICE, INTERPRETED
@@ -143,17 +144,40 @@ def test_biases_in_any_layout():
     check(x, index, weights, experts, options, torch.float32)
 
 
-def test_small_tiles_span_rows_columns_and_steps():
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_small_tiles_span_rows_columns_and_steps(group_m):
     """tl.dot's smallest tiles over 30 tokens: experts spanning several row tiles (the last one
     ragged), several column tiles and K steps in every kernel (the interpreter's default tiles
-    hold these shapes whole)."""
+    hold these shapes whole); row tiles in groups of 3 too, which divides no tile count here."""
     n_experts, k, hidden, inter = 3, 2, 40, 24
-    gemm = GemmTiles(16, 16, 16, 4, 1)
+    gemm = GemmTiles(16, 16, 16, 4, 1, group_m)
     config = MoeConfig(gemm, gemm, gemm, gemm, CombineTiles(4, 16, 4))
     x = torch.randn(30, hidden, device=DEVICE, requires_grad=True)
     index, weights = routed(30, n_experts, k)
     check(x, index, weights, make_weights(n_experts, hidden, inter, {}, True, torch.float32), {}, torch.float32,
           config=config)
+
+
+@triton.jit
+def _tiles_of(OUT, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = kernels._swizzled(pid, m_tiles, n_tiles, GROUP_M)
+    tl.store(OUT + 2 * pid, pid_m)
+    tl.store(OUT + 2 * pid + 1, pid_n)
+
+
+@pytest.mark.parametrize("m_tiles, n_tiles, group_m", [(7, 5, 3), (8, 4, 4), (1, 9, 8), (10, 1, 4), (6, 6, 1)])
+def test_swizzled_tiles_cover_the_grid_once(m_tiles, n_tiles, group_m):
+    """Every (row tile, column tile) is one program's, whatever the group divides; a group's row
+    tiles take column tile 0 first; group 1 is row-major."""
+    out = torch.full((m_tiles * n_tiles, 2), -1, dtype=torch.int32, device=DEVICE)
+    _tiles_of[(m_tiles * n_tiles,)](out, m_tiles, n_tiles, GROUP_M=group_m)
+    pairs = [tuple(p) for p in out.tolist()]
+    assert sorted(pairs) == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+    first = min(group_m, m_tiles)
+    assert pairs[:first] == [(i, 0) for i in range(first)]
+    if group_m == 1:
+        assert pairs == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
 
 
 def test_bitwise_deterministic():

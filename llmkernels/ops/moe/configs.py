@@ -25,13 +25,16 @@ from .routing import max_tiles
 
 @dataclasses.dataclass(frozen=True)
 class GemmTiles:
-    """A launch of a GEMM kernel: ``block_m x block_n`` output tiles, ``block_k`` deep steps."""
+    """A launch of a GEMM kernel: ``block_m x block_n`` output tiles, ``block_k`` deep steps;
+    ``group_m`` row tiles take each column tile in turn (``kernels._swizzled``: programs running
+    together then share a weight tile from L2; 1: row tile by row tile)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

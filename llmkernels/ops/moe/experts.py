@@ -25,6 +25,7 @@ kernel, and sums ``dB``, ``dA`` per expert like the weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
@@ -118,9 +119,9 @@ def _row_grid(kernel, tiles: GemmTiles, launch: Launch, n: int, args: tuple, **c
     if tables is None:
         tables = launch.tables[tiles.block_m] = tile_table(offsets, launch.rows, tiles.block_m)
     tile_e, tile_s = tables
-    handle = launcher_of(kernel, **constexprs, TOP_K=launch.top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                      BLOCK_K=tiles.block_k, PRECISION=launch.precision, num_warps=tiles.num_warps,
-                      num_stages=tiles.num_stages)
+    handle = launcher_of(kernel, **constexprs, TOP_K=launch.top_k, BLOCK_M=tiles.block_m, GROUP_M=tiles.group_m,
+                      BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=launch.precision,
+                      num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     handle((tile_e.numel() * cdiv(n, tiles.block_n),), args[0], order, tile_e, tile_s, offsets, *args[1:])
 
 
@@ -131,7 +132,7 @@ def _grouped_mm(launch: Launch, a, w: tuple, n: int, k: int, *, gather=False, sc
     is a LoRA rank (column tiles of its size)."""
     tiles = launch.config.down
     if narrow:
-        tiles = GemmTiles(tiles.block_m, _rank_block(n), tiles.block_k, tiles.num_warps, tiles.num_stages)
+        tiles = dataclasses.replace(tiles, block_n=_rank_block(n))
     c = torch.empty((launch.rows, n), device=a.device, dtype=a.dtype)
     (la, lb), lora = _lora_args(lora_rows, lora_b, a)
     _row_grid(kernels.grouped_mm_kernel, tiles, launch, n,
@@ -165,7 +166,7 @@ def _weight_grad(launch: Launch, a, b, out_like, *, gather_a=False, gather_b=Fal
     tiles = launch.config.weight_grad
     handle = launcher_of(kernels.weight_grad_kernel, TOP_K=launch.top_k, GATHER_A=gather_a, GATHER_B=gather_b,
                       HAS_SCALE=scale is not None, HAS_DB=db is not None, BLOCK_M=tiles.block_m,
-                      BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=launch.precision,
+                      GROUP_M=tiles.group_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=launch.precision,
                       num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     order, offsets = launch.routing
     handle((n_experts * cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n),), a, b, order, offsets,

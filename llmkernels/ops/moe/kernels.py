@@ -29,19 +29,31 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(expert, rows [BLOCK_M], row mask, columns [BLOCK_N], column mask)`` of this program:
-    row tile ``pid // column tiles`` of ``tile_table``, column tile ``pid % column tiles`` of
-    ``N``; expert ``E`` past the last row tile (the caller returns)."""
-    pid = tl.program_id(0)
+def _swizzled(pid, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """``(row tile, column tile)`` of program ``pid`` of ``m_tiles x n_tiles``: GROUP_M row tiles
+    take each column tile in turn before the next GROUP_M, so that programs running together
+    share a weight tile from L2 instead of each streaming the whole weight (1: row tile by row
+    tile, column tiles innermost)."""
+    width = GROUP_M * n_tiles
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(m_tiles - first, GROUP_M)
+    inner = pid % width
+    return first + inner % size, inner // size
+
+
+@triton.jit
+def _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(expert, rows [BLOCK_M], row mask, column tile, columns [BLOCK_N], column mask)`` of this
+    program: row tile of ``tile_table`` and column tile of ``N`` by ``_swizzled`` over the grid of
+    row tiles x column tiles; expert ``E`` past the last row tile (the caller returns)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
+    pid_m, pid_n = _swizzled(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, GROUP_M)
     e = tl.load(TILE_E + pid_m)
     start = tl.load(TILE_S + pid_m)
     end = tl.load(OFFS + tl.minimum(e, E - 1) + 1)
     rows = start + tl.arange(0, BLOCK_M)
-    cols = (pid - pid_m * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, rows, rows < end, cols, cols < N
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, rows, rows < end, pid_n, cols, cols < N
 
 
 @triton.jit
@@ -144,12 +156,13 @@ def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K
                    stride_wk, stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, up_offset, alpha,
                    limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                   GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """``gate, up = X[token] @ W[e]`` (+ bias) for a tile of sorted rows and N = I columns, the
     tokens gathered on load; with HAS_LORA ``+ LA[row] @ LB[e]`` (``LA [S, R]``: the rows'
     scaled LoRA inputs ``s x A^T``). Stores ``HS [S, I] = gated(gate, up)`` and, with STORE_GU,
     the rounded ``gate, up`` in ``GU [S, 2I]`` for the backward."""
-    e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     token = (_slots(ORDER, rows, r_mask) // TOP_K).to(tl.int64)
@@ -178,12 +191,12 @@ def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K
 def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, C, E, K, N, R, stride_a, stride_we, stride_wk,
                       stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_c, scale,
                       TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                      HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """``C[out_row] = scale * A[a_row] @ W[e]`` (+ ``LA[row] @ LB[e]``, + bias) for a tile of
     sorted rows: ``a_row`` the row itself or, GATHER_A, its token; ``out_row`` the row itself
     or, SCATTER_C, its slot id."""
-    e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     if GATHER_A or SCATTER_C:
@@ -233,14 +246,15 @@ def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, LA, LB, GU, WEIGHTS, DGU
                     stride_we, stride_wk, stride_wn, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_p,
                     up_offset, alpha, limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
                     HAS_LORA: tl.constexpr, STORE_H: tl.constexpr, STORE_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                    GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """The down projection's and the activation's backward for a tile of sorted rows and
     N = I columns: ``g = DY[token] @ W[e]`` (the tokens gathered on load; with HAS_LORA
     ``+ LA[row] @ LB[e]``, the adapter's part ``s (dy B) A``), then from the saved ``GU``:
     ``DGU = d(gate, up)`` of ``dh = w * g``; with STORE_H the recomputed ``h`` in ``HS`` (for
     the down weight's gradient); with STORE_P ``P[slot, column tile] = sum_n g * h``, this
     column tile's part of the routing weight's gradient ``<dy, y>``."""
-    e, rows, r_mask, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     slots = _slots(ORDER, rows, r_mask)
@@ -263,16 +277,15 @@ def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, LA, LB, GU, WEIGHTS, DGU
     if STORE_H:
         tl.store(HS + rows64 * N + cols[None, :], h.to(dtype), mask=mask)
     if STORE_P:
-        column_tile = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-        tl.store(P + slots.to(tl.int64) * stride_p + column_tile, tl.sum(tl.where(mask, g * h, 0.0), axis=1),
+        tl.store(P + slots.to(tl.int64) * stride_p + col_tile, tl.sum(tl.where(mask, g * h, 0.0), axis=1),
                  mask=r_mask)
 
 
 @triton.jit
 def weight_grad_kernel(A, B, ORDER, OFFS, SCALE, C, DB, M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
                        stride_db, TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                       HAS_SCALE: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """``C[e] = sum over expert e's sorted rows r of a_r^T b_r`` (``[M, N]``, through C's
     strides), ``a_r = A[row or token] (* SCALE[slot])``, ``b_r = B[row or token]``, summed in
     row order by this one program; with HAS_DB the column tile ``pid_n == 0`` also stores
@@ -280,8 +293,7 @@ def weight_grad_kernel(A, B, ORDER, OFFS, SCALE, C, DB, M, N, stride_a, stride_b
     pid = tl.program_id(0)
     m_tiles, n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     e = pid // (m_tiles * n_tiles)
-    pid_m = (pid // n_tiles) % m_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = _swizzled(pid % (m_tiles * n_tiles), m_tiles, n_tiles, GROUP_M)
     start, end = tl.load(OFFS + e), tl.load(OFFS + e + 1)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

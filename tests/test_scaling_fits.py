@@ -187,6 +187,7 @@ def test_fit_lr_rule_recovers_the_rule_and_extends_at_an_edge(seed):
     # every rate tried too low: each group's best is its highest rate; the design adds one beyond it
     low = fit.fit_lr_rule(_lr_runs(rng, (0.05, 0.1, 0.2)), kappa=0.5)
     assert [g["edge"] for g in low["groups"]] == ["high"] * 3 and low["edges"] == 3
+    assert low["method"] == "one parabola per size"  # no optimum inside the rates: no shared parabola to trust
     more = d.lr_extension(low["groups"], planned, hp)
     assert sorted(r.model.name for r in more) == sorted(m.name for m, _ in LR_MODELS)
     assert all(r.lr_mult == pytest.approx(0.4) and r.stage == "lr" for r in more)
@@ -222,6 +223,12 @@ def test_lr_rule_pools_every_stable_rate_of_every_size(seed):
         own.append(abs(np.mean(y + gamma * x) - math.log(3e-3)))
     assert np.median(shared) <= np.median(own), (seed, np.median(shared), np.median(own))
     assert np.median(shared) < math.log(1.2), (seed, np.median(shared))
+    # a size whose every rate diverged (no loss) leaves the shared parabola to the others
+    runs = _lr_runs(rng, (0.35, 0.7, 1.4, 2.8))
+    for r in runs[:4]:
+        r["val_loss"] = None
+    diverged = fit.fit_lr_rule(runs, kappa=0.5)
+    assert diverged["method"] == "one parabola shared by the sizes" and diverged["c"] > 0
     # too few stable rates for the shared parabola: the sizes' own optima give the rule
     few = fit.fit_lr_rule(_lr_runs(rng, (0.5, 1.0)), kappa=0.5)
     assert few["method"] == "one parabola per size" and few["c"] == pytest.approx(3e-3, rel=0.3)

@@ -343,10 +343,12 @@ def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tup
     """``(c, gamma)`` of one parabola in log lr shared by every size: its own floor each, one
     curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the rule). Every
     stable rate of every size informs the rule, where a size's own parabola rests on three runs
-    whose noise can move it by a factor of two. None without more stable rates than parameters or
-    when the fit fails (the caller keeps the sizes' own optima)."""
+    whose noise can move it by a factor of two. None without more stable rates than parameters,
+    when the fit fails or when it puts a size's optimum outside the rates tried there (no
+    curvature to trust: the caller keeps the sizes' own optima)."""
     from scipy.optimize import least_squares
 
+    rows = [r for r in rows if any(v is not None for v in r["losses"])]
     g, x, n, y = [], [], [], []
     for i, r in enumerate(rows):
         best = min(v for v in r["losses"] if v is not None)
@@ -368,4 +370,8 @@ def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tup
     hi = np.r_[np.full(k + 2, np.inf), GAMMA_MAX]
     start = np.r_[[y[g == i].min() for i in range(k)], math.log(0.05), math.log(c0), gamma0]
     fit = least_squares(resid, np.clip(start, lo, hi), bounds=(lo, hi))
-    return (math.exp(fit.x[k + 1]), float(fit.x[k + 2])) if fit.success else None
+    if not fit.success:
+        return None
+    centre = fit.x[k + 1] - fit.x[k + 2] * n
+    inside = all(x[g == i].min() <= centre[g == i][0] <= x[g == i].max() for i in range(k))
+    return (math.exp(fit.x[k + 1]), float(fit.x[k + 2])) if inside else None

@@ -45,8 +45,8 @@ from .._launch import launch, reference_dtype
 from .._triton import tl, triton
 from ..configs.linear_losses import DEFAULT_CONFIG
 from .base import (Head, check_chunk_sizes, check_fp32_or_none, check_ignore_index, check_target, check_temperature,
-                   checked_head, chunk_cols, finish_target_check, grads_needed, row_online, start_target_check,
-                   vocab_chunks, vocab_grads, vocab_loss_op)
+                   checked_head, finish_target_check, grad_chunk_cols, grads_needed, lse_of, row_online,
+                   start_target_check, vocab_chunks, vocab_grads, vocab_loss_op)
 
 
 class LogProbsOptions(NamedTuple):
@@ -92,7 +92,7 @@ def _chunk_logp_kernel(X, T, STATE, NEXT, LOGP, ENT, LSE, MU, M, N, v0, V, strid
     z_t = tl.where(here, tl.load(x_row + tl.where(here, t - v0, 0), mask=here, other=0.0).to(tl.float32) * inv_temp,
                    z_t)
     if LAST:
-        lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+        lse = lse_of(m, s)
         valid = t != ignore_index
         bad = valid & ((t < 0) | (t >= V))
         tl.store(LOGP + row + one, tl.where(bad, float("nan"), tl.where(valid, z_t - lse, 0.0)))
@@ -162,15 +162,11 @@ def _chunk_width(hidden: torch.Tensor, weight: torch.Tensor, vocab_chunk_size: O
                  logits_dtype: Optional[torch.dtype]) -> int:
     """The vocabulary columns per chunk of both passes, chosen once, before the forward: the free
     device memory it reads may have changed by the backward, whose chunks must be the forward's.
-    Sized by the backward's bytes per logit (fp32 logits of a 16-bit hidden: a gradient block of
-    hidden's dtype beside them)."""
+    Sized as the backward sizes its own (``grad_chunk_cols``)."""
     v = weight.shape[0]
     if vocab_chunk_size is not None:
         return min(vocab_chunk_size, v)
-    size = hidden.element_size()
-    if logits_dtype is not None and logits_dtype != hidden.dtype:
-        size += logits_dtype.itemsize
-    return chunk_cols(hidden.shape[0], v, size, None if torch.compiler.is_compiling() else hidden.device)
+    return grad_chunk_cols(hidden, v, logits_dtype, None if torch.compiler.is_compiling() else hidden.device)
 
 
 def _rounded_to(hidden: torch.Tensor, logits_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:

@@ -11,12 +11,12 @@ from .checks import (DEFAULT_MEMORY, MEMORY_MODES, REDUCTIONS, check_chunk_size,
                      check_target, check_temperature, checked_head)
 from .chunks import Head, accumulate_mm, aligned_cols, chunk_cols, chunk_rows, logsumexp_rows, row_chunks, vocab_chunks
 from .head import grads_fake, grads_needed, head_loss_ops, reduced, reduced_fake, row_grads
-from .row_kernels import grad_coefs, grad_tile, online_step, row_lse, row_online
+from .row_kernels import grad_coefs, grad_tile, lse_of, online_step, row_lse, row_online
 from .rows import (CrossEntropyOutput, RowLoss, ce_rows, count_rows, finish_loss, package_output, row_buffers,
                    scale_rows_)
 from .sharded import gathered, is_dtensor
 from .targets import finish_target_check, start_target_check
-from .vocab_grads import vocab_grads, vocab_loss_op
+from .vocab_grads import grad_chunk_cols, vocab_grads, vocab_loss_op
 
 __all__ = ["DEFAULT_MEMORY", "MEMORY_MODES", "REDUCTIONS", "check_chunk_size", "check_chunk_sizes", "check_chunking",
            "check_fp32_or_none", "check_head", "check_ignore_index", "check_loss_options", "check_reduction",
@@ -25,5 +25,6 @@ __all__ = ["DEFAULT_MEMORY", "MEMORY_MODES", "REDUCTIONS", "check_chunk_size", "
            "vocab_chunks",
            "grads_fake", "grads_needed", "head_loss_ops", "reduced", "reduced_fake", "row_grads",
            "CrossEntropyOutput", "RowLoss", "ce_rows", "count_rows", "finish_loss", "package_output", "row_buffers",
-           "scale_rows_", "grad_coefs", "grad_tile", "online_step", "row_lse", "row_online", "gathered", "is_dtensor",
-           "finish_target_check", "start_target_check", "vocab_grads", "vocab_loss_op"]
+           "scale_rows_", "grad_coefs", "grad_tile", "lse_of", "online_step", "row_lse", "row_online", "gathered",
+           "is_dtensor",
+           "finish_target_check", "start_target_check", "grad_chunk_cols", "vocab_grads", "vocab_loss_op"]

@@ -69,7 +69,14 @@ def row_lse(x_row, V, inv_temp, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, SU
     rescaled alike (``w / s = E_p[z]``), with SUM the plain sum of z: ``(lse, s, w, z_sum)``."""
     zero = tl.zeros([1], dtype=tl.float32)
     m, s, w, z_sum = row_online(x_row, V, inv_temp, zero + float("-inf"), zero, zero, zero, BLOCK_V, ENTROPY, SUM)
-    return tl.where(m == float("-inf"), 0.0, m) + tl.log(s), s, w, z_sum
+    return lse_of(m, s), s, w, z_sum
+
+
+@triton.jit
+def lse_of(m, s):
+    """The log-sum-exp of an online state's max ``m`` and sum of ``exp(z - m)`` ``s`` (0 for a
+    row of no classes: m is -inf)."""
+    return tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
 
 
 @triton.jit
@@ -212,7 +219,7 @@ def ce_kernel(
         elif FORWARD:
             m, s, z_sum = _online_lse(x_row, row_mask, 0, V, V, softcap, BLOCK_M, BLOCK_V, HAS_SMOOTHING, HAS_SOFTCAP,
                                       PASS1_EVICT)
-            lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+            lse = lse_of(m, s)
         else:
             lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
 

@@ -83,6 +83,16 @@ class VocabGradOptions(NamedTuple):
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def grad_chunk_cols(hidden: torch.Tensor, v: int, logits_dtype: Optional[torch.dtype],
+                    device: Optional[torch.device]) -> int:
+    """Columns per chunk of ``vocab_grads``: ``chunk_cols`` of the bytes a logit takes, with
+    logits not in hidden's dtype (None: in it) a gradient block of hidden's dtype beside them;
+    ``device`` None: not capped by free memory."""
+    logits_dtype = logits_dtype or hidden.dtype
+    size = hidden.element_size() + (logits_dtype != hidden.dtype) * logits_dtype.itemsize
+    return chunk_cols(hidden.shape[0], v, size, device)
+
+
 def _vocab_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: Optional[torch.Tensor], lse: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor],
                  mu: Optional[torch.Tensor], c: Optional[torch.Tensor], d: Optional[torch.Tensor],
@@ -103,7 +113,7 @@ def _vocab_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         kernel = DEFAULT_CONFIG.kernel("vocab_grad")
         logits_dtype = options.logits_dtype or hidden.dtype
         apart = logits_dtype != hidden.dtype  # the gradient then goes to a buffer of hidden's dtype
-        cols = options.cols or chunk_cols(m, v, hidden.element_size() + apart * logits_dtype.itemsize, hidden.device)
+        cols = options.cols or grad_chunk_cols(hidden, v, logits_dtype, hidden.device)
         buffer = hidden.new_empty(m * min(cols, v)) if apart else None
         softcap = options.softcap
         for v0, n, logits in vocab_chunks(cols, Head(hidden, weight, bias), logits_dtype=logits_dtype):

@@ -255,3 +255,25 @@ def _bad_cases():
 
 
 test_bad_input = bad_input_test(_bad_cases)
+
+
+@pytest.mark.parametrize("rows,experts,hidden,inter", [(16384, 8, 4096, 14336), (65536, 128, 2048, 768),
+                                                       (4096, 128, 2048, 768), (64, 8, 4096, 14336)])
+def test_moe_config_on_a_gpu_model(monkeypatch, rows, experts, hidden, inter):
+    """The GPU choice, on the reference H100 model: full 128-row tiles take the wide, grouped tiles;
+    fewer rows an expert keep narrow, ungrouped ones; every choice's shared memory fits and its
+    forward fills the multiprocessors unless its columns are already at the minimum."""
+    from llmkernels.ops import _device
+    from llmkernels.ops.moe import configs
+    from llmkernels.ops.moe.routing import max_tiles
+    monkeypatch.setattr(_device, "model_of", lambda device: _device.REFERENCE)
+    config = configs.moe_config(rows, experts, hidden, inter, torch.device("cuda"))
+    full = configs.row_block(rows / experts) == 128
+    assert (config.gate_up.group_m, config.down.group_m) == ((8, 8) if full else (1, 1))
+    programs = 2 * _device.REFERENCE.sms
+    tiles = max_tiles(rows, experts, config.gate_up.block_m)
+    for gemm, width in ((config.gate_up, inter), (config.down, hidden)):
+        assert gemm.block_n >= configs.MIN_BLOCK_N and gemm.num_stages >= 2
+        assert gemm.block_n == configs.MIN_BLOCK_N or tiles * -(-width // gemm.block_n) >= programs
+    if full:  # both full cases here have tiles enough for the measured widths
+        assert (config.gate_up.block_n, config.down.block_n, config.weight_grad.block_k) == (128, 256, 64)

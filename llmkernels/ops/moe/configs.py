@@ -4,8 +4,8 @@ for a call from the device model.
 A grouped GEMM is compute bound: what matters is that tiles fit the rows an expert has (few
 tokens an expert: small M tiles, else most of a tile multiplies padding) and that there are
 enough tiles to fill the multiprocessors. ``moe_config`` chooses ``block_m`` from the mean rows
-an expert (``rows / experts``), then halves ``block_n`` while the forward's tiles would not give
-every multiprocessor two programs. Shared-memory stages are fitted to the device
+an expert (``rows / experts``) and, for full 128-row tiles, wider column tiles in groups; it then
+halves ``block_n`` while the forward's tiles would not give every multiprocessor two programs. Shared-memory stages are fitted to the device
 (``_device.fit_stages``). The interpreter (CPU tests) takes larger tiles than its tiny shapes
 need: it runs programs one after another, each op a NumPy call of any size, so fewer programs
 are faster (16-wide tiles took 7x the time of these); tests pass small tiles where they mean to
@@ -88,17 +88,21 @@ def moe_config(rows: int, experts: int, hidden: int, inter: int, device: torch.d
     if device.type != "cuda":
         return INTERPRETER
     block_m = row_block(rows / max(1, experts))
-    warps = 8 if block_m == 128 else 4
+    full = block_m == 128
+    # Full row tiles (Qwen3-30B-A3B's and Mixtral's shapes) measured fastest with twice the
+    # columns a program and row tiles in groups of 8 sharing weight tiles from L2 (moe_tiles.py).
+    warps, stages, group_m = (8, 3, 8) if full else (4, 4, 1)
     programs = 2 * _device.model_of(device).sms
-    gate_up_n = 64
-    while gate_up_n > MIN_BLOCK_N and max_tiles(rows, experts, block_m) * cdiv(inter, gate_up_n) < programs:
+    tiles = max_tiles(rows, experts, block_m)
+    gate_up_n = 128 if full else 64
+    while gate_up_n > MIN_BLOCK_N and tiles * cdiv(inter, gate_up_n) < programs:
         gate_up_n //= 2
-    down_n = 128
-    while down_n > MIN_BLOCK_N and max_tiles(rows, experts, block_m) * cdiv(hidden, down_n) < programs:
+    down_n = 256 if full else 128
+    while down_n > MIN_BLOCK_N and tiles * cdiv(hidden, down_n) < programs:
         down_n //= 2
     return MoeConfig(
-        gate_up=_staged(GemmTiles(block_m, gate_up_n, 64, warps, 4), device, operands=3),
-        down=_staged(GemmTiles(block_m, down_n, 64, warps, 4), device),
-        down_bwd=_staged(GemmTiles(block_m, gate_up_n, 64, warps, 4), device),
-        weight_grad=_staged(GemmTiles(128, 128, 32, 8, 3), device),
+        gate_up=_staged(GemmTiles(block_m, gate_up_n, 64, warps, stages, group_m), device, operands=3),
+        down=_staged(GemmTiles(block_m, down_n, 64, warps, stages, group_m), device),
+        down_bwd=_staged(GemmTiles(block_m, gate_up_n, 64, warps, 4, group_m), device),
+        weight_grad=_staged(GemmTiles(128, 128, 64 if full else 32, 8, 3), device),
         combine=CombineTiles(4, 512, 4))

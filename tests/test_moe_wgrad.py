@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 import torch
 
-import llmkernels as lk
 from llmkernels.ops import _device
 from llmkernels.ops.moe import configs, wgrad
 from llmkernels.ops.moe.configs import INTERPRETER
@@ -17,7 +16,7 @@ from llmkernels.ops.moe.routing import sort_slots
 from llmkernels.testing import poisoned
 
 from tests.conftest import DEVICE
-from tests.test_moe import LAYOUTS, TOKENS, check, make_weights, routed
+from tests.test_moe import LAYOUTS, TOKENS, assert_bitwise_deterministic, check, make_weights, routed
 
 GROUPED = dataclasses.replace(INTERPRETER, weight_grad_backend="grouped_mm")
 
@@ -137,16 +136,7 @@ def test_layer_with_grouped_weight_grads(gemm, monkeypatch, layout, routing):
 
 
 def test_grouped_weight_grads_bitwise_deterministic(gemm):
-    n_experts, k, hidden, inter, options, biased = LAYOUTS["gpt_oss"]
-    x = torch.randn(TOKENS, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    index, weights = routed(TOKENS, n_experts, k)
-    experts = make_weights(n_experts, hidden, inter, options, biased, torch.bfloat16)
-    d_out = torch.randn(TOKENS, hidden, device=DEVICE, dtype=torch.bfloat16)
-    runs = []
-    for _ in range(2):
-        out = lk.moe_experts(x, index, weights, **experts, **options, config=GROUPED)
-        runs.append(torch.autograd.grad(out, list(experts.values()), d_out))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert_bitwise_deterministic(GROUPED)
 
 
 def test_usable_only_where_torch_fast_kernel_runs():

@@ -15,8 +15,9 @@ Backward, from ``dy [T, H]``:
   4. ``weight_grad_kernel``: ``d gate_up_proj[e] = sum_rows d(gate, up)^T x[token]``.
 Each weight gradient is one program's sum over its expert's rows in token order: bitwise
 deterministic. ``MoeConfig.weight_grad_backend`` may send steps 2 and 4 (the expert weights',
-not the adapters') to torch's grouped GEMM instead (``wgrad.py``). Memory: the call keeps ``x`` and the ``[S, 2I]`` gate/up values; the ``[S, I]``
-and ``[S, H]`` buffers live within the forward or the backward only.
+not the adapters') to torch's grouped GEMM instead (``wgrad.py``, which adds one ``[S, H]``
+buffer of rows in expert order). Memory: the call keeps ``x`` and the ``[S, 2I]`` gate/up
+values; the ``[S, I]`` and ``[S, H]`` buffers live within the forward or the backward only.
 
 LoRA (rank r, ``A [E, r, K]``, ``B [E, N, r]`` on a projection ``W [E, N, K]``, scale s) runs in
 the same kernels: a grouped GEMM forms the rows' ``s x A^T [S, r]`` (kept: r columns), and the

@@ -86,7 +86,7 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, o
     gemm = gemm or grouped_mm_op()
     rows_a = _sorted_rows(a, gather_a, order, top_k, scale)
     rows_b = _sorted_rows(b, gather_b, order, top_k, None)
-    ends = offsets[1:]
+    ends = offsets[1:].clone()  # its own allocation: an aligned pointer, as torch's other callers pass
     if _orientation(out_like):  # stored [E, N, M]: its product, viewed back
         dw = gemm(rows_b.T, rows_a, ends).transpose(1, 2)
     else:

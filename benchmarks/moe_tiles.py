@@ -5,11 +5,14 @@ For each case (Mixtral's layer, then Qwen3-30B-A3B's, at 8K tokens: ``moe_bench.
 inputs and timing), the routed experts forward and forward + backward with the default
 ``moe_config`` choice, with each of ``CANDIDATES`` (the default with one GEMM's tiles replaced, so
 that a gain names its GEMM, and all of them together), and, the reference row,
-``torch_grouped_mm`` (``F.grouped_mm`` with PyTorch's permutation). Every configuration is also
+``torch_grouped_mm`` (``F.grouped_mm`` with PyTorch's permutation). Candidates may also move the
+weight gradients to torch's grouped GEMM (``MoeConfig.weight_grad_backend``). Every configuration is also
 timed kernel by kernel: its launches of one forward + backward are recorded and each replayed
 alone under the same timer, beside the bare ``F.grouped_mm`` GEMM of the same step, which tells
-which GEMM is behind. Last, ``best-per-gemm``: each GEMM's fastest tiles of those breakdowns put
-together, measured like the others.
+which GEMM is behind (a weight gradient formed by torch's grouped GEMM is one step too: its rows'
+gather and scale and torch's launches, replayed together and marked ``*``). Last,
+``best-per-gemm``: each GEMM's fastest tiles of those breakdowns put together (the weight
+gradients' backend with their tiles), measured like the others.
 
 A candidate's output and gradients must match the default's (relative norm at most ``TOLERANCE``,
 bf16) before it is timed; one that does not compile (shared memory, registers) records its error
@@ -51,6 +54,7 @@ import llmkernels  # noqa: E402
 from llmkernels.bench import ops_moe  # noqa: E402
 from llmkernels.ops._device import as_record  # noqa: E402
 from llmkernels.ops.moe import experts as launchers  # noqa: E402
+from llmkernels.ops.moe import wgrad  # noqa: E402
 from llmkernels.ops.moe.configs import GemmTiles, MoeConfig, _staged, moe_config  # noqa: E402
 
 CASES = ("mixtral-8k", "qwen3-8k")
@@ -61,8 +65,9 @@ FIELDS = ("gate_up", "down", "down_bwd", "weight_grad")  # the MoeConfig fields 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A configuration to try: the default's launches with the named GEMMs' tiles in their place
-    (None: the default's), stages lowered to what the card's shared memory holds, and every
-    GEMM's row tiles in groups of ``group_m`` (``GemmTiles.group_m``)."""
+    (None: the default's), stages lowered to what the card's shared memory holds, every GEMM's
+    row tiles in groups of ``group_m`` (``GemmTiles.group_m``; None: each GEMM's default), and the
+    weight gradients' ``weight_grad_backend`` (None: the default's)."""
 
     name: str
     why: str
@@ -70,7 +75,8 @@ class Candidate:
     down: Optional[GemmTiles] = None
     down_bwd: Optional[GemmTiles] = None
     weight_grad: Optional[GemmTiles] = None
-    group_m: int = 1
+    group_m: Optional[int] = 1
+    weight_grad_backend: Optional[str] = None
 
 
 def vary(field: str, m: int, n: int, k: int, warps: int, stages: int, why: str) -> Candidate:
@@ -110,23 +116,30 @@ CANDIDATES = (
     Candidate("large-grouped-8", "each GEMM's larger tiles together, row tiles in groups of 8",
               gate_up=GemmTiles(128, 128, 64, 8, 3), down=GemmTiles(128, 256, 64, 8, 3),
               down_bwd=GemmTiles(128, 128, 64, 8, 4), weight_grad=GemmTiles(128, 256, 64, 8, 3), group_m=8),
+    # The weight gradients were the GEMMs furthest from torch's grouped GEMM: each backend with
+    # the default's tiles, whichever backend the default chose.
+    Candidate("wgrad-triton", "the default's tiles, weight gradients by weight_grad_kernel", group_m=None,
+              weight_grad_backend="triton"),
+    Candidate("wgrad-grouped_mm", "the default's tiles, weight gradients by torch's grouped GEMM", group_m=None,
+              weight_grad_backend="grouped_mm"),
 )
 BY_NAME = {c.name: c for c in CANDIDATES}
 # Under the interpreter a forward + backward of large tiles takes seconds: --tiny tries three.
-TINY_CANDIDATES = ("gate_up-128x128x64-w8-s3", "weight_grad-128x128x64-w8-s3", "grouped-4")
+TINY_CANDIDATES = ("gate_up-128x128x64-w8-s3", "weight_grad-128x128x64-w8-s3", "grouped-4", "wgrad-grouped_mm")
 BEST = "best-per-gemm"
 
 
 def candidate_config(candidate: Candidate, default: MoeConfig, device: torch.device) -> MoeConfig:
     """The default with ``candidate``'s tiles, each with the stages ``device`` holds
-    (configs._staged), every GEMM's row tiles in groups of ``candidate.group_m``."""
+    (configs._staged), every GEMM's row tiles in groups of ``candidate.group_m``, and its weight
+    gradients' backend."""
     def tiles_of(field: str) -> GemmTiles:
-        tiles = getattr(candidate, field)
+        tiles, group_m = getattr(candidate, field), candidate.group_m or getattr(default, field).group_m
         if tiles is None:
-            return dataclasses.replace(getattr(default, field), group_m=candidate.group_m)
-        return dataclasses.replace(_staged(tiles, device, operands=3 if field == "gate_up" else 2),
-                                   group_m=candidate.group_m)
-    return dataclasses.replace(default, **{field: tiles_of(field) for field in FIELDS})
+            return dataclasses.replace(getattr(default, field), group_m=group_m)
+        return dataclasses.replace(_staged(tiles, device, operands=3 if field == "gate_up" else 2), group_m=group_m)
+    backend = candidate.weight_grad_backend or default.weight_grad_backend
+    return dataclasses.replace(default, **{field: tiles_of(field) for field in FIELDS}, weight_grad_backend=backend)
 
 
 class Step(NamedTuple):
@@ -138,6 +151,7 @@ class Step(NamedTuple):
     gemm: int
 
 
+TORCH_WGRAD = "grouped_weight_grad"  # wgrad.py's call: a weight gradient by torch's grouped GEMM
 # (phase, kernel, its n-th launch in the phase) -> Step: experts.py's launch order without adapters.
 STEPS = {("fwd", "gate_up_kernel", 0): Step("fwd gate_up", "gate_up", 2),
          ("fwd", "grouped_mm_kernel", 0): Step("fwd down", "down", 1),
@@ -146,7 +160,9 @@ STEPS = {("fwd", "gate_up_kernel", 0): Step("fwd gate_up", "gate_up", 2),
          ("bwd", "weight_grad_kernel", 0): Step("bwd d down_proj", "weight_grad", 1),
          ("bwd", "grouped_mm_kernel", 0): Step("bwd dx", "down", 2),
          ("bwd", "combine_kernel", 0): Step("bwd dx combine", "combine", 0),
-         ("bwd", "weight_grad_kernel", 1): Step("bwd d gate_up_proj", "weight_grad", 2)}
+         ("bwd", "weight_grad_kernel", 1): Step("bwd d gate_up_proj", "weight_grad", 2),
+         ("bwd", TORCH_WGRAD, 0): Step("bwd d down_proj", "weight_grad", 1),
+         ("bwd", TORCH_WGRAD, 1): Step("bwd d gate_up_proj", "weight_grad", 2)}
 
 
 class Bench(NamedTuple):
@@ -162,15 +178,17 @@ class Bench(NamedTuple):
 
 class LaunchLog:
     """The kernel launches ``moe_experts`` makes within ``phase(name)`` blocks, each kept with its
-    launcher and arguments to be replayed alone. ``experts.launcher_of`` is wrapped for the block:
-    a benchmark's look at the private launches, which the public call does not expose."""
+    launcher and arguments to be replayed alone. ``experts.launcher_of`` and
+    ``wgrad.grouped_weight_grad`` (torch's launches of a weight gradient, one step) are wrapped
+    for the block: a benchmark's look at the private launches, which the public call does not
+    expose."""
 
     def __init__(self):
         self.launches = []
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        original = launchers.launcher_of
+        original, torch_wgrad = launchers.launcher_of, wgrad.grouped_weight_grad
 
         def recording(kernel, **options):
             launcher = original(kernel, **options)
@@ -180,19 +198,25 @@ class LaunchLog:
                     launcher, grid, *args)))
                 launcher(grid, *args)
             return launch
-        launchers.launcher_of = recording
+
+        def recording_wgrad(*args, **kwargs):
+            self.launches.append((name, TORCH_WGRAD, functools.partial(torch_wgrad, *args, **kwargs)))
+            return torch_wgrad(*args, **kwargs)
+        launchers.launcher_of, wgrad.grouped_weight_grad = recording, recording_wgrad
         try:
             yield
         finally:
-            launchers.launcher_of = original
+            launchers.launcher_of, wgrad.grouped_weight_grad = original, torch_wgrad
 
 
-def _step_record(bench: Bench, call, gemm: int, field: Optional[str] = None) -> dict:
-    """The time of ``call`` and the TFLOP/s of its GEMM (``gemm`` units of ``2 S H I``)."""
+def _step_record(bench: Bench, call, gemm: int, field: Optional[str] = None, by_torch: bool = False) -> dict:
+    """The time of ``call`` and the TFLOP/s of its GEMM (``gemm`` units of ``2 S H I``);
+    ``by_torch``: a weight gradient by torch's grouped GEMM."""
     s = bench.shape
     ms = bench.ms(call, False)
     flops = gemm * 2 * s["M"] * s["K"] * s["H"] * s["I"]
-    return {"ms": ms, "field": field, **({"tflops": flops / ms / 1e9} if gemm else {})}
+    return {"ms": ms, "field": field, **({"tflops": flops / ms / 1e9} if gemm else {}),
+            **({"by_torch": True} if by_torch else {})}
 
 
 def kernel_steps(fn, bench: Bench) -> dict:
@@ -207,7 +231,7 @@ def kernel_steps(fn, bench: Bench) -> dict:
         key = (phase, kernel, seen[phase, kernel])
         seen[phase, kernel] += 1
         step = STEPS.get(key) or Step(" ".join(map(str, key)), None, 0)
-        steps[step.name] = _step_record(bench, call, step.gemm, step.field)
+        steps[step.name] = _step_record(bench, call, step.gemm, step.field, kernel == TORCH_WGRAD)
     return steps
 
 
@@ -267,14 +291,15 @@ def run_config(config: MoeConfig, bench: Bench, expected: Optional[dict]) -> dic
 
 def best_per_gemm(measured: dict, default: MoeConfig) -> MoeConfig:
     """The default with each GEMM's tiles from the measured configuration whose launches of that
-    GEMM took least (the kernel breakdown's sum over the GEMM's steps); ``measured``: name ->
-    (config, record), the default's among them."""
+    GEMM took least (the kernel breakdown's sum over the GEMM's steps), the weight gradients'
+    backend with their tiles; ``measured``: name -> (config, record), the default's among them."""
     timed = [(config, record["steps"]) for config, record in measured.values() if record.get("status") == "ok"]
     if not timed:
         return default
-    best = {field: getattr(min(timed, key=lambda item: sum(
-        s["ms"] for s in item[1].values() if s["field"] == field))[0], field) for field in FIELDS}
-    return dataclasses.replace(default, **best)
+    fastest = {field: min(timed, key=lambda item: sum(
+        s["ms"] for s in item[1].values() if s["field"] == field))[0] for field in FIELDS}
+    return dataclasses.replace(default, **{field: getattr(config, field) for field, config in fastest.items()},
+                               weight_grad_backend=fastest["weight_grad"].weight_grad_backend)
 
 
 def run_case(shape: dict, candidates: list, device: torch.device, ms, deadline: float, save) -> dict:
@@ -353,8 +378,11 @@ def changes(name: str, record: dict, default: dict) -> str:
         return "F.grouped_mm + PyTorch permutation"
     if "config" not in record:
         return BY_NAME[name].why if name in BY_NAME else ""
-    return ", ".join(f"{f} {tiles_text(record['config'][f])}" for f in FIELDS
-                     if record["config"][f] != default[f]) or "none"
+    changed = [f"{f} {tiles_text(record['config'][f])}" for f in FIELDS if record["config"][f] != default[f]]
+    backend = record["config"].get("weight_grad_backend")
+    if backend != default.get("weight_grad_backend"):
+        changed.append(f"weight gradients by {backend}")
+    return ", ".join(changed) or "none"
 
 
 def _ratio(reference: dict, record: dict) -> str:
@@ -367,7 +395,8 @@ def case_markdown(name: str, case: dict) -> list:
     lines = [f"## {name}: T {s['M']} tokens, E {s['E']}, top-{s['K']}, H {s['H']}, I {s['I']}", ""]
     default = case.get("default_config")
     if default:
-        lines += ["Default (`moe_config`): " + ", ".join(f"{f} {tiles_text(default[f])}" for f in FIELDS) + ".", ""]
+        lines += ["Default (`moe_config`): " + ", ".join(f"{f} {tiles_text(default[f])}" for f in FIELDS)
+                  + f"; weight gradients by {default.get('weight_grad_backend', 'triton')}.", ""]
     lines += ["| config | tiles changed | fwd ms | fwd+bwd ms | TFLOP/s | vs default | vs torch_grouped_mm | "
               "max rel err vs default | s | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row, r in rows.items():
@@ -393,11 +422,13 @@ def steps_markdown(case: dict) -> list:
         return []
     columns = list(dict.fromkeys([s.name for s in STEPS.values()] + [c for steps in table.values() for c in steps]))
     lines = ["Kernel by kernel: each launch of one forward + backward replayed alone, ms (TFLOP/s of its GEMM); "
-             "the sum leaves out the routing's sort and the host.", "",
+             "the sum leaves out the routing's sort and the host. `*`: a weight gradient by torch's grouped GEMM "
+             "(wgrad.py: its rows' gather and scale, a bias's sums and torch's GEMM, replayed together).", "",
              "| config | " + " | ".join(columns) + " | sum |", "|---" * (len(columns) + 2) + "|"]
     for row, steps in table.items():
         cells = [("-" if c not in steps else f"{steps[c]['ms']:.3f}" + (
-            f" ({steps[c]['tflops']:.0f})" if "tflops" in steps[c] else "")) for c in columns]
+            f" ({steps[c]['tflops']:.0f})" if "tflops" in steps[c] else "") + ("*" if steps[c].get("by_torch") else ""))
+            for c in columns]
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {sum(v['ms'] for v in steps.values()):.3f} |")
     return lines + [""]
 

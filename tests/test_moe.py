@@ -180,7 +180,8 @@ def test_swizzled_tiles_cover_the_grid_once(m_tiles, n_tiles, group_m):
         assert pairs == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
 
 
-def test_bitwise_deterministic():
+def assert_bitwise_deterministic(config=None):
+    """Two calls (bf16, gpt-oss's layout) give the same output and gradients, bit for bit."""
     n_experts, k, hidden, inter, options, biased = LAYOUTS["gpt_oss"]
     x = torch.randn(TOKENS, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     index, weights = routed(TOKENS, n_experts, k)
@@ -188,9 +189,13 @@ def test_bitwise_deterministic():
     d_out = torch.randn(TOKENS, hidden, device=DEVICE, dtype=torch.bfloat16)
     runs = []
     for _ in range(2):
-        out = lk.moe_experts(x, index, weights, **experts, **options)
+        out = lk.moe_experts(x, index, weights, **experts, **options, config=config)
         runs.append((out, *torch.autograd.grad(out, [x, weights, *experts.values()], d_out)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_bitwise_deterministic():
+    assert_bitwise_deterministic()
 
 
 def test_no_grad_call_and_frozen_weights():

@@ -58,10 +58,11 @@ def test_moe_lora_bench_tiny(tmp_path):
 
 
 def test_moe_tiles_tiny(tmp_path):
-    """One tiny case, one candidate: every row measured, each kernel of the default and of the
-    candidate timed alone under its step's name, PyTorch's bare GEMMs beside them."""
+    """One tiny case, two candidates: every row measured, each kernel of the default and of the
+    candidates timed alone under its step's name (the weight gradients by torch's grouped GEMM
+    too, marked), PyTorch's bare GEMMs beside them."""
     result = _run("moe_tiles.py", str(tmp_path), "--cases", "tiny-mixtral", "--candidates",
-                  "gate_up-128x128x64-w8-s3")
+                  "gate_up-128x128x64-w8-s3,wgrad-grouped_mm")
     case = result["cases"]["tiny-mixtral"]
     rows = case["rows"]
     for name in ("default", "torch_grouped_mm", "gate_up-128x128x64-w8-s3"):
@@ -73,6 +74,14 @@ def test_moe_tiles_tiny(tmp_path):
              "bwd d gate_up_proj"}
     assert set(rows["default"]["steps"]) == set(rows["gate_up-128x128x64-w8-s3"]["steps"]) == steps
     assert set(case["torch_steps"]["steps"]) == steps - {"fwd combine", "bwd dx combine"}
+    by_torch = rows["wgrad-grouped_mm"]
+    if by_torch["status"] == "ok":  # (this torch's grouped GEMM runs on CPU)
+        assert by_torch["config"]["weight_grad_backend"] == "grouped_mm" and set(by_torch["steps"]) == steps
+        assert {name for name, s in by_torch["steps"].items() if s.get("by_torch")} == {
+            "bwd d down_proj", "bwd d gate_up_proj"}
+        assert max(by_torch["errors"].values()) <= 1e-2
+    else:
+        assert "grouped" in by_torch["status"], by_torch["status"]
 
 
 
@@ -119,3 +128,9 @@ def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
     assert best.gate_up == fast_gate_up.gate_up == GemmTiles(128, 128, 64, 8, 3)
     assert best.weight_grad == fast_weight_grad.weight_grad == GemmTiles(128, 128, 64, 8, 3)
     assert (best.down, best.down_bwd, best.combine) == (INTERPRETER.down, INTERPRETER.down_bwd, INTERPRETER.combine)
+    assert best.weight_grad_backend == "triton"
+    by_torch = tiles.candidate_config(tiles.BY_NAME["wgrad-grouped_mm"], INTERPRETER, cpu)
+    assert by_torch == dataclasses.replace(INTERPRETER, weight_grad_backend="grouped_mm")
+    measured["c"] = (by_torch, record(weight_grad=0.25))
+    best = tiles.best_per_gemm(measured, INTERPRETER)  # the weight gradients' backend comes with them
+    assert best.weight_grad_backend == "grouped_mm" and best.weight_grad == INTERPRETER.weight_grad

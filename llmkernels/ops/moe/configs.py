@@ -21,6 +21,7 @@ from .. import _device
 from .._args import cdiv
 from .._device import fit_stages
 from .routing import max_tiles
+from .wgrad import BACKENDS, available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +51,21 @@ class CombineTiles:
 class MoeConfig:
     """The launches of one MoE call: the forward gate/up GEMM (two accumulators), the grouped
     GEMMs of the forward down projection and the backward's dx (``down``), the backward of the
-    down projection and activation, the weight gradients, and the combine."""
+    down projection and activation, the weight gradients, and the combine. ``weight_grad_backend``
+    forms the expert weights' own gradients ("triton": ``weight_grad_kernel`` with these tiles;
+    "grouped_mm": torch's grouped GEMM, ``wgrad.py``, where it can take them, else the kernel);
+    adapters' gradients always take the kernel."""
 
     gate_up: GemmTiles
     down: GemmTiles
     down_bwd: GemmTiles
     weight_grad: GemmTiles
     combine: CombineTiles
+    weight_grad_backend: str = "triton"
+
+    def __post_init__(self):
+        if self.weight_grad_backend not in BACKENDS:
+            raise ValueError(f"weight_grad_backend must be one of {BACKENDS}, got {self.weight_grad_backend!r}")
 
 
 # Tiles of the interpreter (see the module notes).
@@ -105,4 +114,7 @@ def moe_config(rows: int, experts: int, hidden: int, inter: int, device: torch.d
         down=_staged(GemmTiles(block_m, down_n, 64, warps, stages, group_m), device),
         down_bwd=_staged(GemmTiles(block_m, gate_up_n, 64, warps, 4, group_m), device),
         weight_grad=_staged(GemmTiles(128, 128, 64 if full else 32, 8, 3), device),
-        combine=CombineTiles(4, 512, 4))
+        combine=CombineTiles(4, 512, 4),
+        # Torch's grouped GEMM formed each weight gradient in about half the kernel's time at
+        # Mixtral's shape (moe_tiles.py's bare GEMMs, H200); with fewer rows an expert the kernel stays.
+        weight_grad_backend="grouped_mm" if full and available(device) else "triton")

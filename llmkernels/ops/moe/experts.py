@@ -14,8 +14,10 @@ Backward, from ``dy [T, H]``:
   3. ``grouped_mm_kernel`` then ``combine_kernel``: ``dx = sum_j d(gate, up) @ gate_up_proj[e]``.
   4. ``weight_grad_kernel``: ``d gate_up_proj[e] = sum_rows d(gate, up)^T x[token]``.
 Each weight gradient is one program's sum over its expert's rows in token order: bitwise
-deterministic. Memory: the call keeps ``x`` and the ``[S, 2I]`` gate/up values; the ``[S, I]``
-and ``[S, H]`` buffers live within the forward or the backward only.
+deterministic. ``MoeConfig.weight_grad_backend`` may send steps 2 and 4 (the expert weights',
+not the adapters') to torch's grouped GEMM instead (``wgrad.py``, which adds one ``[S, H]``
+buffer of rows in expert order). Memory: the call keeps ``x`` and the ``[S, 2I]`` gate/up
+values; the ``[S, I]`` and ``[S, H]`` buffers live within the forward or the backward only.
 
 LoRA (rank r, ``A [E, r, K]``, ``B [E, N, r]`` on a projection ``W [E, N, K]``, scale s) runs in
 the same kernels: a grouped GEMM forms the rows' ``s x A^T [S, r]`` (kept: r columns), and the
@@ -32,7 +34,7 @@ import torch
 
 from .._args import as_rows, cdiv, next_pow2
 from .._launch import launcher_of
-from . import kernels
+from . import kernels, wgrad
 from .configs import GemmTiles, MoeConfig, moe_config
 from .routing import sort_slots, tile_table
 
@@ -175,6 +177,15 @@ def _weight_grad(launch: Launch, a, b, out_like, *, gather_a=False, gather_b=Fal
     return dw, db
 
 
+def _plain_weight_grad(launch: Launch, a, b, out_like, **options):
+    """``_weight_grad`` of an expert weight (not an adapter): through torch's grouped GEMM where
+    the configuration asks for it and ``wgrad.usable`` holds, else the kernel."""
+    if launch.config.weight_grad_backend == "grouped_mm" and a.dtype == b.dtype and wgrad.usable(
+            out_like, a.dtype, options.get("bias_like")):
+        return wgrad.grouped_weight_grad(a, b, *launch.routing, launch.top_k, out_like, **options)
+    return _weight_grad(launch, a, b, out_like, **options)
+
+
 def _launch(x, top_k_index, down_proj, routing, config) -> Launch:
     t, k = top_k_index.shape
     n_experts = down_proj.shape[0]
@@ -293,8 +304,8 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
                                                                   launch.n_experts)
     d_down = d_down_bias = d_down_b = d_down_a = None
     if grads.need_down or grads.need_down_bias:
-        d_down, d_down_bias = _weight_grad(launch, dy, hs, down_proj, gather_a=True, scale=weights,
-                                           bias_like=down_bias if grads.need_down_bias else None)
+        d_down, d_down_bias = _plain_weight_grad(launch, dy, hs, down_proj, gather_a=True, scale=weights,
+                                                 bias_like=down_bias if grads.need_down_bias else None)
     if grads.need_down_lora_b:
         d_down_b = _weight_grad(launch, dy, ha, down_lora_b, gather_a=True, scale=weights)[0]
     if grads.need_down_lora_a:
@@ -311,9 +322,9 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
         del dxs
     d_gate_up = d_gate_up_bias = None
     if grads.need_gate_up or grads.need_gate_up_bias:
-        d_gate_up, d_gate_up_bias = _weight_grad(launch, dgu, x, gate_up_proj, gather_b=True,
-                                                 bias_like=_empty(x, launch.n_experts, 2 * inter)
-                                                 if grads.need_gate_up_bias else None)
+        d_gate_up, d_gate_up_bias = _plain_weight_grad(launch, dgu, x, gate_up_proj, gather_b=True,
+                                                       bias_like=_empty(x, launch.n_experts, 2 * inter)
+                                                       if grads.need_gate_up_bias else None)
     d_gate_up_b = None if not grads.need_gate_up_lora_b else _weight_grad(launch, dgu, xa, gate_up_lora_b)[0]
     d_gate_up_a = None if not grads.need_gate_up_lora_a else _weight_grad(launch, dgb, x, gate_up_lora_a,
                                                                      gather_b=True)[0]

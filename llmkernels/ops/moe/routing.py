@@ -5,8 +5,9 @@ tile table has a fixed upper-bound length, its unused tail marked with expert ``
 A slot's id is ``t * k + j`` (its place in ``top_k_index.reshape(-1)``, the token ``id // k``).
 Sorted by expert with a stable sort, the slots of expert e are rows ``offsets[e]`` to
 ``offsets[e + 1]`` of the sorted order, in token order; ids outside ``[0, E)`` (dropped slots,
-as expert parallelism marks tokens of other ranks) sort before or after every expert and no
-tile covers them.
+as expert parallelism marks tokens of other ranks) sort after every expert and no tile covers
+them: ``offsets[0]`` is 0, so that a grouped GEMM given the experts' end rows alone
+(``offsets[1:]``, as ``torch._grouped_mm`` takes them) starts expert 0 at row 0.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Routing(NamedTuple):
 def sort_slots(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """The slots of ``top_k_index [T, k]`` (int32 or int64) ordered by expert (stable: token
     order within an expert, so the weight gradients' sums run in one fixed order)."""
-    experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    flat = top_k_index.reshape(-1)
+    experts, order = torch.sort(torch.where((flat >= 0) & (flat < num_experts), flat, num_experts), stable=True)
     bounds = torch.arange(num_experts + 1, device=experts.device, dtype=experts.dtype)
     return Routing(order.to(torch.int32), torch.searchsorted(experts, bounds).to(torch.int32))
 

@@ -237,7 +237,7 @@ def _rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: to
 def _empty_like(t, dtype, layout):
     """``t``'s shape in ``dtype``: t's strides where t is dense (judged from them, as the fake under
     torch.compile judges alike), else contiguous in the kernel's ``[B, S, H, D]`` order."""
-    if is_dense(t):
+    if t.is_contiguous() or is_dense(t):  # the first, in C++, spares the common case is_dense's ~1.6 µs
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
     if layout == "bhsd":
         b, h, s, d = t.shape

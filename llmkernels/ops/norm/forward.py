@@ -184,7 +184,7 @@ def norm_fwd_split_kernel(
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     ROUND_X_HAT: tl.constexpr, STORE_STATS: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, TMA: tl.constexpr = False,
 ):
     """Forward of rows too wide for one program: ``PARTS`` programs share each row, each taking a
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
@@ -204,7 +204,9 @@ def norm_fwd_split_kernel(
     copied into shared memory, no registers held for them), so that more bytes are in flight
     than two register slices allow; the previous row's slice stays in registers for its y
     instead of being read again, and rows past the last publish zeros into spare slots
-    (``SLOTS [M + groups, PARTS]``) so that the loop holds no branch."""
+    (``SLOTS [M + groups, PARTS]``) so that the loop holds no branch. TMA (pipelined): x's slices
+    are read through a tensor descriptor of ``[1, BLOCK_N]`` blocks, which the pipeliner copies
+    with TMA (zeros past the last row and column, as the masked loads)."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -216,12 +218,16 @@ def norm_fwd_split_kernel(
     slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
     if STAGES > 0:
-        x_prev, shift_prev = _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask,
-                                           M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
+        if TMA:
+            x_desc = tl.make_tensor_descriptor(X, shape=[M, N], strides=[stride_x, 1], block_shape=[1, BLOCK_N])
+        else:
+            x_desc = X
+        x_prev, shift_prev = _fwd_split_in(X, x_desc, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols,
+                                           mask, M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
         for nxt in tl.range(group + groups, M + groups, groups, num_stages=STAGES):
             nxt64 = nxt + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-            x, shift = _fwd_split_in(X, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask, M, N,
-                                     in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
+            x, shift = _fwd_split_in(X, x_desc, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask,
+                                     M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
             _fwd_split_write(nxt64 - groups, x_prev, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
                              RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
                              ROUND_X_HAT, STORE_STATS, True)
@@ -280,11 +286,17 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.cons
 
 
 @triton.jit
-def _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask, M, N, in_ty: tl.constexpr,
-                  PARTS: tl.constexpr, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
+def _fwd_split_in(X, X_DESC, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask, M, N,
+                  in_ty: tl.constexpr, PARTS: tl.constexpr, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr,
+                  EVEN: tl.constexpr, TMA: tl.constexpr):
     """Load row ``row``'s slice (x, or h = x + residual, stored to H; zeros past the last row) and
-    publish its sums; returns the slice in the norm's input dtype and its shift (LayerNorm)."""
-    x = row_slice(X, row, stride_x, cols, M, N, 0.0)
+    publish its sums; returns the slice in the norm's input dtype and its shift (LayerNorm).
+    TMA: x's slice through the descriptor ``X_DESC``."""
+    if TMA:
+        block_n: tl.constexpr = X_DESC.block_shape[1]
+        x = tl.reshape(X_DESC.load([row.to(tl.int32), part * block_n]), [block_n])
+    else:
+        x = row_slice(X, row, stride_x, cols, M, N, 0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + row_slice(RES, row, stride_res, cols, M, N, 0.0).to(tl.float32)).to(in_ty)
         tl.store(H + row * stride_h + cols, x, mask=cols < tl.where(row < M, N, 0))

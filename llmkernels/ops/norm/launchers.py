@@ -79,11 +79,13 @@ class BwdKey(NamedTuple):
 
 class FwdPlan(NamedTuple):
     """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
-    kernel's exchange slots (None: the rows kernel)."""
+    kernel's exchange slots (None: the rows kernel); ``tma``: x read through a tensor descriptor
+    (its rows must be 16-byte aligned)."""
 
     launch: Launcher
     grid: tuple
     slots: Optional[tuple]
+    tma: bool = False
 
 
 class BwdPlan(NamedTuple):
@@ -109,11 +111,11 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
         return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
-                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages,
+                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages, TMA=config.tma,
                         num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
     return launcher_of(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
-                    num_warps=config.num_warps)
+                    num_warps=config.num_warps, **_cluster(config))
 
 
 def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms: bool, weight: bool, bias: bool,
@@ -128,7 +130,13 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
     return launcher_of(norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
                     BLOCK_N=config.block_n, PREFETCH=stages, DW_COLS=dw_cols, DW_ROWS=dw_rows, TAIL_N=config.tail_n,
-                    num_warps=config.num_warps)
+                    num_warps=config.num_warps, **_cluster(config))
+
+
+def _cluster(config) -> dict:
+    """The launch option of a configuration's cluster: none for one CTA a program, so that those
+    launches keep the options (and the compiled kernels) they always had."""
+    return {} if config.num_ctas == 1 else {"num_ctas": config.num_ctas}
 
 
 def _forward_plan(key: FwdKey) -> FwdPlan:
@@ -150,7 +158,7 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
             parts, groups = split
             # (a pipelined kernel publishes the rows past the last into spare slots)
             slots = (m + groups if config.stages else m, parts)
-            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
+            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots, config.tma)
         config = forward_config(table_key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
@@ -172,8 +180,10 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not options.is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    handle, grid, slots = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None, weight is not None,
-                                           bias is not None, store_stats, options, config)]
+    handle, grid, slots, tma = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None, weight is not None,
+                                                bias is not None, store_stats, options, config)]
+    if tma and (x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16):
+        raise ValueError(f"config {config}: TMA reads rows that start on 16 bytes, not x's (stride {x.stride(0)})")
     eps, weight_offset = options.eps, options.weight_offset
     if slots is None:
         handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
@@ -214,7 +224,7 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
         config = backward_config(table_key._replace(split=False), tuned)
     chunks = 1 if config.one_pass else cdiv(n, config.block_n)
     programs = max(1, min(cdiv(m // heads, config.block_m),
-                          cdiv(persistent_programs(device, config.per_sm), heads * chunks)))
+                          cdiv(persistent_programs(device, config.per_sm) // config.num_ctas, heads * chunks)))
     if config.max_programs:
         programs = min(programs, config.max_programs)
     # Capped programs (decode sizes), one head and column chunk: each program of several also sums

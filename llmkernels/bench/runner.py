@@ -470,6 +470,17 @@ class Runner:
                 **self.env}
 
 
+class OpRunner(Runner):
+    """The runner over one op given here (not looked up by name): a script's own providers."""
+
+    def __init__(self, op: BenchOp, settings: Settings, device: torch.device, log):
+        super().__init__(settings, device, log)
+        self.op = op
+
+    def selected_ops(self) -> list:
+        return [self.op]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
 

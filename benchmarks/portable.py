@@ -32,10 +32,8 @@ import os
 import shlex
 import sys
 
-import torch
-
 from llmkernels.bench.registry import Provider, need_module, ops
-from llmkernels.bench.runner import OpRunner, Settings, environment
+from llmkernels.bench.runner import OpRunner, Settings, environment, script_device
 from llmkernels.ops import _device
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,9 +133,7 @@ def main(argv=None) -> int:
     families = args.ops.split(",")
     if set(families) - set(FAMILIES):
         p.error(f"--ops: choose from {', '.join(FAMILIES)}")
-    if not torch.cuda.is_available() and not args.tiny:
-        p.error("needs a CUDA GPU (--tiny: the checks only, on CPU with TRITON_INTERPRET=1)")
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = script_device(args.tiny, p.error)
     widths = tuple(int(n) for n in args.widths.split(",")) if args.widths else NORM_WIDTHS
     wanted = args.providers.split(",") if args.providers else None
     records, copies = run(families, widths, wanted, device, lambda line: print(line, file=sys.stderr, flush=True))

@@ -2,8 +2,8 @@
 ceiling and Quack.
 
 Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
-today's blocked and split paths, and the candidates: one-pass rows over a cluster of CTAs,
-``num_ctas``; the pipelined split reading x through TMA, ``tma``) is a provider of the bench's op,
+today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
+writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op,
 beside Quack where it is installed, at rows of 32K-128K columns and ragged ones: RMSNorm forward
 and backward, LayerNorm backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
 float64 check of every provider, GPU time from CUDA-graph replay under
@@ -15,9 +15,9 @@ each part}, "records": [{"part", "n", "provider", "config", "pct_copy", "us", "s
 ...]}``) and ``<out>/wide_rows.md`` (% of copy, a table a part), again after each part, so that
 a run cut short keeps what it measured; past ``--budget-s`` no new width starts.
 
-    python benchmarks/wide_rows.py --out $OUT                             # every part, ~7 min
-    python benchmarks/wide_rows.py --parts rmsnorm-fwd --out $OUT
-    python benchmarks/wide_rows.py --parts rmsnorm-bwd,layernorm-bwd --widths 32768,131072 --out $OUT
+    python benchmarks/wide_rows.py --parts rmsnorm-fwd --out $OUT                  # one 10-minute call
+    python benchmarks/wide_rows.py --parts rmsnorm-bwd,layernorm-bwd --out $OUT    # another
+    python benchmarks/wide_rows.py --widths 32768,131072 --out $OUT                # every part, two widths
     TRITON_INTERPRET=1 python benchmarks/wide_rows.py --tiny --out /tmp/wide   # CPU: the checks only
 """
 from __future__ import annotations
@@ -32,11 +32,12 @@ import sys
 import time
 
 import torch
+import triton
 
 import llmkernels
 from llmkernels.bench.ops_norm import LN_EPS, RMS_EPS
 from llmkernels.bench.registry import Provider, ops
-from llmkernels.bench.runner import OpRunner, Settings, environment
+from llmkernels.bench.runner import OpRunner, Settings, environment, script_device
 from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
 from llmkernels.tune.spaces import wide_row_candidates
@@ -66,23 +67,32 @@ def part_op(part: str, tiny: bool):
     name, mode = PARTS[part]
     op = ops()[name]
     backward = mode == "bwd"
-    providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s))
-                 for s in wide_row_candidates(WIDTHS[0], backward)}
+    strategies = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward)}
+    providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in strategies}
     providers.update((p, op.providers[p]) for p in PEERS if p in op.providers)
     return dataclasses.replace(op, providers=providers, small_shapes=TINY_SHAPES if tiny else op.small_shapes)
 
 
 class BudgetRunner(OpRunner):
-    """The runner of one part that starts no width past the time ``deadline`` (time.monotonic)."""
+    """The runner of one part: at each width the strategies that apply to it (and the peers);
+    no width starts past the time ``deadline`` (time.monotonic)."""
 
-    def __init__(self, op, settings: Settings, device, log, deadline: float):
+    def __init__(self, op, settings: Settings, device, log, deadline: float, backward: bool):
         super().__init__(op, settings, device, log)
-        self.deadline, self.cut = deadline, []
+        self.deadline, self.backward, self.cut, self.n = deadline, backward, [], None
+
+    def providers(self, op) -> list:
+        names = super().providers(op)
+        if self.n is None:
+            return names
+        here = wide_row_candidates(self.n, self.backward)
+        return [p for p in names if p in here or p in PEERS]
 
     def _run_case(self, op, dtype, kind, shape):
         if time.monotonic() > self.deadline:
             self.cut.append(shape["N"])
             return
+        self.n = shape["N"]
         super()._run_case(op, dtype, kind, shape)
 
 
@@ -105,8 +115,8 @@ def markdown(header: dict, records: list) -> str:
     """% of copy, a table a part: a row a provider, a column a width."""
     lines = [f"# Wide rows: % of copy, {header['device']}, {header['date']}", "",
              f"torch {header['torch']}, triton {header['triton']}, llmkernels {header['llmkernels']}, "
-             f"quack-kernels {header['quack_kernels']}; copy GB/s: "
-             + ", ".join(f"{k} {v:.0f}" for k, v in header["copy_gbps"].items() if v), "",
+             f"quack-kernels {header['quack_kernels']}; configuration source {header['config_source']}; copy GB/s: "
+             + (", ".join(f"{k} {v:.0f}" for k, v in header["copy_gbps"].items() if v) or "not measured"), "",
              f"`{header['command']}`", ""]
     for part in dict.fromkeys(r["part"] for r in records):
         mine = [r for r in records if r["part"] == part]
@@ -135,22 +145,23 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _parts(text: str) -> list:
+    parts = text.split(",")
+    if set(parts) - set(PARTS):
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(PARTS)}")
+    return parts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
-    p.add_argument("--widths", help="comma-separated (default: " + ",".join(map(str, WIDTHS)) + ")")
+    p.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
+    p.add_argument("--widths", type=lambda text: [int(n) for n in text.split(",")], default=list(WIDTHS),
+                   help="comma-separated (default: " + ",".join(map(str, WIDTHS)) + ")")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of wide_rows.json / .md (default $OUT)")
     p.add_argument("--budget-s", type=float, default=450.0, help="start no width after this many seconds")
     p.add_argument("--tiny", action="store_true", help="CPU: the checks only, at a tiny shape")
     args = p.parse_args(argv)
-    parts = args.parts.split(",")
-    if set(parts) - set(PARTS):
-        p.error(f"--parts: choose from {', '.join(PARTS)}")
-    if not torch.cuda.is_available() and not args.tiny:
-        p.error("needs a CUDA GPU (--tiny: the checks only, on CPU with TRITON_INTERPRET=1)")
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    widths = [int(n) for n in args.widths.split(",")] if args.widths else list(WIDTHS)
-    import triton
+    parts, widths, device = args.parts, args.widths, script_device(args.tiny, p.error)
     triton.set_allocator(_scratch)
     deadline = time.monotonic() + args.budget_s
     header = {**environment(device), "command": "python benchmarks/wide_rows.py " + shlex.join(
@@ -161,7 +172,7 @@ def main(argv=None) -> int:
     for part in parts:
         name, mode = PARTS[part]
         settings = Settings(ops=[name], dtypes=["bf16"], sizes=widths, modes=(mode,), decode=False, eager=False)
-        runner = BudgetRunner(part_op(part, args.tiny), settings, device, log, deadline)
+        runner = BudgetRunner(part_op(part, args.tiny), settings, device, log, deadline, mode == "bwd")
         records += summarise(part, runner.run())
         header["copy_gbps"][part] = runner.copy_gbps
         if runner.cut:

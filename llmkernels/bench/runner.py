@@ -182,6 +182,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * COPY_BYTES / ms / 1e6
 
 
+def script_device(tiny: bool, error) -> torch.device:
+    """A benchmark script's device: the GPU, or with ``tiny`` the CPU (the checks only, under
+    Triton's interpreter); else ``error(message)`` (argparse's)."""
+    if not torch.cuda.is_available() and not tiny:
+        error("needs a CUDA GPU (--tiny: the checks only, on CPU with TRITON_INTERPRET=1)")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def free_memory():
     gc.collect()
     if torch.cuda.is_available():

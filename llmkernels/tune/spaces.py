@@ -22,7 +22,6 @@ from ..ops import _device
 from ..ops.configs import cross_entropy as ce
 from ..ops.configs import rope
 from ..ops.norm import BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig, SplitFwdConfig
-from ..ops.norm.configs import MAX_CTAS
 from ..ops.norm.tables import BWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX, backward_config, forward_config, row_block, tuned_name
 from ..ops.rope import RopeOptions, rope_launch
 
@@ -103,31 +102,26 @@ def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
     return near
 
 
-def _cluster(n: int, cta_columns: int, warps: int, backward: bool):
-    """A one-pass configuration over the whole row as a cluster of about ``cta_columns`` columns a
-    CTA (at most ``MAX_CTAS`` CTAs, at least one)."""
-    bn = row_block(n)
-    ctas = max(1, min(MAX_CTAS, bn // cta_columns))
-    return BwdConfig(1, bn, warps, num_ctas=ctas) if backward else FwdConfig(1, bn, warps, num_ctas=ctas)
-
-
 def wide_row_candidates(n: int, backward: bool) -> dict:
     """Named strategies for rows of ``n`` (32K columns and more), measured side by side by
     ``benchmarks/wide_rows.py`` before any becomes a table row or a tune candidate: None (the
-    tables' choice, or the tuned cache's), today's paths, and the candidates: clusters of CTAs
-    over a one-pass row (``num_ctas``) and the pipelined split reading through TMA (``tma``)."""
+    tables' choice, or the tuned cache's), today's paths (the blocked loop, one pass where the row
+    fits 64 elements a thread, the split and the pipelined split), and the candidates: the
+    pipelined split reading x through TMA (``tma``), and writing y two rows behind (``lag``)."""
     if backward:
         return {"table": None, "blocked": BwdConfig(4, 1024, 4, one_pass=False, per_sm=4),
                 "split 8192x8 s3": SplitBwdConfig(8192, 8, 3), "split 8192x8 s4": SplitBwdConfig(8192, 8, 4),
-                "split 4096x4 s3": SplitBwdConfig(4096, 4, 3),
-                "cluster 16K/cta x16w": _cluster(n, 16384, 16, True), "cluster 8K/cta x8w": _cluster(n, 8192, 8, True)}
-    return {"table": None, "blocked": FwdConfig(1, 16384, 32, one_pass=False),
-            "split 8192x8": SplitFwdConfig(8192, 8, 2), "split 4096x4 s3": SplitFwdConfig(4096, 4, 4, 3),
+                "split 8192x16 s3": SplitBwdConfig(8192, 16, 3), "split 4096x4 s3": SplitBwdConfig(4096, 4, 3)}
+    found = {"table": None, "blocked": FwdConfig(1, 16384, 32, one_pass=False)}
+    if row_block(n) <= 65536:
+        found["one pass"] = FwdConfig(1, row_block(n), 32)
+    return {**found, "split 8192x8": SplitFwdConfig(8192, 8, 2), "split 4096x4 s3": SplitFwdConfig(4096, 4, 4, 3),
+            "split 4096x4 s3 lag2": SplitFwdConfig(4096, 4, 4, 3, lag=2),
             "split 4096x4 s3 tma": SplitFwdConfig(4096, 4, 4, 3, tma=True),
             "split 4096x4 s4 tma": SplitFwdConfig(4096, 4, 4, 4, tma=True),
+            "split 4096x4 s3 tma lag2": SplitFwdConfig(4096, 4, 4, 3, tma=True, lag=2),
             "split 8192x8 s3 tma": SplitFwdConfig(8192, 8, 2, 3, tma=True),
-            "split 16384x16 s3 tma": SplitFwdConfig(16384, 16, 1, 3, tma=True),
-            "cluster 16K/cta x8w": _cluster(n, 16384, 8, False), "cluster 8K/cta x4w": _cluster(n, 8192, 4, False)}
+            "split 16384x16 s3 tma": SplitFwdConfig(16384, 16, 1, 3, tma=True)}
 
 
 def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OPS), dtype=torch.bfloat16,

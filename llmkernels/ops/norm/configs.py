@@ -16,7 +16,6 @@ from .._device import more_programs
 MAX_STAGES = 4  # pipelining stages at most (the kernels' loops are written for 2 to 4)
 MAX_SPLIT_PER_SM = 4  # split programs a multiprocessor at most (each keeps 128 registers a thread or more)
 MIN_SLICE = 4096  # the narrowest slice a split program takes when a device asks for more programs
-MAX_CTAS = 8  # CTAs a cluster at most (Hopper's portable cluster size)
 
 
 def _power_of_two(v: int) -> bool:
@@ -38,11 +37,6 @@ def _check_fields(config, name: str) -> None:
     _require(_power_of_two(config.block_n), name, config, "block_n must be a power of two")
     _require(_power_of_two(config.num_warps) and config.num_warps <= 32, name, config,
              "num_warps must be 1, 2, 4, 8, 16 or 32")
-
-
-def _check_ctas(config, name: str) -> None:
-    _require(_power_of_two(config.num_ctas) and config.num_ctas <= MAX_CTAS, name, config,
-             f"num_ctas must be a power of two, at most {MAX_CTAS}")
 
 
 def deeper_stages(stages: int, depth: int) -> int:
@@ -74,15 +68,10 @@ class FwdConfig:
     one_pass: bool = True
     early_w: bool = False  # the weight and bias loaded with the row, so that their latency overlaps its
     tail_n: int = 0  # one pass, rows wider than block_n: the rest of the row as a masked tile of tail_n
-    # a program as a thread-block cluster of this many CTAs (Hopper; Triton's ``num_ctas``), among
-    # which the compiler spreads the tile, so that a row too wide for one CTA's registers is held
-    # by several; the interpreter runs it as one program
-    num_ctas: int = 1
 
     def check(self, n: int, name: str = "config") -> None:
         """Raise TypeError / ValueError (naming ``name``) where this cannot launch rows of ``n``."""
         _check_tiles(self, n, name)
-        _check_ctas(self, name)
 
     def deepened(self, depth: int) -> "FwdConfig":
         """As it is: its loads are all issued before the row's reduction, as many as its registers hold."""
@@ -104,6 +93,9 @@ class SplitFwdConfig:
     # copies them with TMA (bulk copies into shared memory, no address registers); its rows must
     # be 16-byte aligned, and Triton needs an allocator for the descriptor (``triton.set_allocator``)
     tma: bool = False
+    # pipelined: y written for the row this many rows (1 or 2) behind the one loaded, so that the
+    # siblings' sums have had that many rows' time to arrive (2: the slice read again, from L2)
+    lag: int = 1
 
     def check(self, n: int, name: str = "config") -> None:
         _check_fields(self, name)
@@ -111,6 +103,8 @@ class SplitFwdConfig:
         _require(self.stages == 0 or 2 <= self.stages <= MAX_STAGES, name, self,
                  f"stages must be 0 or 2 to {MAX_STAGES}")
         _require(not self.tma or self.stages >= 2, name, self, "tma needs stages >= 2 (the pipelined loop)")
+        _require(self.lag == 1 or (self.lag == 2 and self.stages >= 2), name, self,
+                 "lag must be 1, or 2 with stages >= 2 (the pipelined loop)")
 
     def deepened(self, depth: int) -> "SplitFwdConfig":
         """``depth`` times the programs a multiprocessor (``more_programs``), within
@@ -133,11 +127,9 @@ class BwdConfig:
     max_programs: int = 0
     prefetch: int = 0  # 0: none; 1: the next tile into registers; k >= 2: Triton's pipelining in k stages
     tail_n: int = 0  # as FwdConfig's
-    num_ctas: int = 1  # as FwdConfig's (each program a cluster: per_sm counts CTAs)
 
     def check(self, n: int, name: str = "config") -> None:
         _check_tiles(self, n, name)
-        _check_ctas(self, name)
         _require(self.per_sm >= 1 and self.max_programs >= 0 and self.prefetch >= 0, name, self,
                  "per_sm must be at least 1, max_programs and prefetch at least 0")
 

@@ -112,10 +112,10 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
     if isinstance(config, SplitFwdConfig):
         return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
                         BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages, TMA=config.tma,
-                        num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
+                        LAG=config.lag, num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
     return launcher_of(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
-                    num_warps=config.num_warps, **_cluster(config))
+                    num_warps=config.num_warps)
 
 
 def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms: bool, weight: bool, bias: bool,
@@ -130,13 +130,7 @@ def _bwd_launcher(config: BackwardConfig, parts: int = 1, *, stages: int, is_rms
                         BLOCK_N=config.block_n, STAGES=stages, W_PACKED=config.w_packed, num_warps=config.num_warps)
     return launcher_of(norm_bwd_kernel, **switches, PRECOMPUTED_DOTS=not config.one_pass, BLOCK_M=config.block_m,
                     BLOCK_N=config.block_n, PREFETCH=stages, DW_COLS=dw_cols, DW_ROWS=dw_rows, TAIL_N=config.tail_n,
-                    num_warps=config.num_warps, **_cluster(config))
-
-
-def _cluster(config) -> dict:
-    """The launch option of a configuration's cluster: none for one CTA a program, so that those
-    launches keep the options (and the compiled kernels) they always had."""
-    return {} if config.num_ctas == 1 else {"num_ctas": config.num_ctas}
+                    num_warps=config.num_warps)
 
 
 def _forward_plan(key: FwdKey) -> FwdPlan:
@@ -157,7 +151,7 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
         if split is not None:
             parts, groups = split
             # (a pipelined kernel publishes the rows past the last into spare slots)
-            slots = (m + groups if config.stages else m, parts)
+            slots = (m + config.lag * groups if config.stages else m, parts)
             return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots, config.tma)
         config = forward_config(table_key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
@@ -224,7 +218,7 @@ def _backward_plan(key: BwdKey) -> BwdPlan:
         config = backward_config(table_key._replace(split=False), tuned)
     chunks = 1 if config.one_pass else cdiv(n, config.block_n)
     programs = max(1, min(cdiv(m // heads, config.block_m),
-                          cdiv(persistent_programs(device, config.per_sm) // config.num_ctas, heads * chunks)))
+                          cdiv(persistent_programs(device, config.per_sm), heads * chunks)))
     if config.max_programs:
         programs = min(programs, config.max_programs)
     # Capped programs (decode sizes), one head and column chunk: each program of several also sums

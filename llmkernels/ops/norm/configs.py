@@ -89,9 +89,9 @@ class SplitFwdConfig:
     # 0: a row ahead in registers, its slice read again for y; k >= 2: the row loop's loads
     # pipelined by Triton in k stages, the previous row held for its y
     stages: int = 0
-    # pipelined (stages >= 2): x's slices read through a tensor descriptor, so that the pipeliner
-    # copies them with TMA (bulk copies into shared memory, no address registers); its rows must
-    # be 16-byte aligned, and Triton needs an allocator for the descriptor (``triton.set_allocator``)
+    # pipelined (stages >= 2): x's slices read through a tensor descriptor made on the host, so
+    # that the pipeliner copies them with TMA (bulk copies into shared memory, no address
+    # registers); x's rows must start on 16 bytes and a slice fill multiples of 128 bytes
     tma: bool = False
     # pipelined: y written for the row this many rows (1 or 2) behind the one loaded, so that the
     # siblings' sums have had that many rows' time to arrive (2: the slice read again, from L2)

@@ -177,7 +177,7 @@ def _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
 
 @triton.jit
 def norm_fwd_split_kernel(
-    X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
+    X, X_DESC, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
     M, N,
     stride_x, stride_res, stride_y, stride_h,
     eps, weight_offset,
@@ -205,8 +205,9 @@ def norm_fwd_split_kernel(
     than two register slices allow; the previous row's slice stays in registers for its y
     instead of being read again, and rows past the last publish zeros into spare slots
     (``SLOTS [M + LAG * groups, PARTS]``) so that the loop holds no branch. TMA (pipelined): x's
-    slices are read through a tensor descriptor of ``[1, BLOCK_N]`` blocks, which the pipeliner
-    copies with TMA (zeros past the last row and column, as the masked loads). LAG (pipelined, 1
+    slices are read through ``X_DESC``, x's tensor descriptor of ``[1, BLOCK_N]`` blocks made on
+    the host, which the pipeliner copies with TMA (zeros past the last row and column, as the
+    masked loads; without TMA, X_DESC is x and unread). LAG (pipelined, 1
     or 2): y is written for the row LAG rows behind the one loaded, so that the siblings' sums
     have had LAG iterations to arrive before they are waited on (LAG 2: its slice read again)."""
     part = tl.program_id(0) % PARTS
@@ -220,19 +221,15 @@ def norm_fwd_split_kernel(
     slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
     if STAGES > 0:
-        if TMA:
-            x_desc = tl.make_tensor_descriptor(X, shape=[M, N], strides=[stride_x, 1], block_shape=[1, BLOCK_N])
-        else:
-            x_desc = X
-        x_prev, shift_prev = _fwd_split_in(X, x_desc, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols,
+        x_prev, shift_prev = _fwd_split_in(X, X_DESC, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols,
                                            mask, M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
         if LAG == 2:
             shift_prev2 = shift_prev
-            _, shift_prev = _fwd_split_in(X, x_desc, RES, H, SLOTS, row + groups, part, stride_x, stride_res,
+            _, shift_prev = _fwd_split_in(X, X_DESC, RES, H, SLOTS, row + groups, part, stride_x, stride_res,
                                           stride_h, cols, mask, M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
         for nxt in tl.range(group + LAG * groups, M + LAG * groups, groups, num_stages=STAGES):
             nxt64 = nxt + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-            x, shift = _fwd_split_in(X, x_desc, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask,
+            x, shift = _fwd_split_in(X, X_DESC, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask,
                                      M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
             if LAG == 2:  # (the slice read again, from L2: held in registers it stops the pipelining)
                 x_out = _fwd_split_again(X, H, nxt64 - 2 * groups, stride_x, stride_h, cols, mask, HAS_RES)

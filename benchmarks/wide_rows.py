@@ -8,7 +8,9 @@ beside Quack where it is installed, at rows of 32K-128K columns and ragged ones:
 and backward, LayerNorm backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
 float64 check of every provider, GPU time from CUDA-graph replay under
 ``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails
-to compile, launch or check is a record with its error, not the end of the run.
+to compile, launch or check is a record with its error, not the end of the run; one that kills
+the CUDA context ends the process, so ``--skip`` / ``--only`` choose strategies by words of
+their names (the peers always run) and the records are written after each width.
 
 Writes ``<out>/wide_rows.json`` (``{"header": {device, date, versions, command, copy_gbps of
 each part}, "records": [{"part", "n", "provider", "config", "pct_copy", "us", "status", "note"},
@@ -18,6 +20,8 @@ a run cut short keeps what it measured; past ``--budget-s`` no new width starts.
     python benchmarks/wide_rows.py --parts rmsnorm-fwd --out $OUT                  # one 10-minute call
     python benchmarks/wide_rows.py --parts rmsnorm-bwd,layernorm-bwd --out $OUT    # another
     python benchmarks/wide_rows.py --widths 32768,131072 --out $OUT                # every part, two widths
+    python benchmarks/wide_rows.py --parts rmsnorm-fwd --skip tma --out $OUT       # all but the TMA candidates
+    python benchmarks/wide_rows.py --parts rmsnorm-fwd --only tma,table --out $OUT # those and the tables' choice
     TRITON_INTERPRET=1 python benchmarks/wide_rows.py --tiny --out /tmp/wide   # CPU: the checks only
 """
 from __future__ import annotations
@@ -30,9 +34,7 @@ import os
 import shlex
 import sys
 import time
-
-import torch
-import triton
+from typing import NamedTuple
 
 import llmkernels
 from llmkernels.bench.ops_norm import LN_EPS, RMS_EPS
@@ -49,6 +51,18 @@ PARTS = {"rmsnorm-fwd": ("rmsnorm", "fwd"), "rmsnorm-bwd": ("rmsnorm", "bwd"), "
 PEERS = ("quack",)
 
 
+class Choice(NamedTuple):
+    """The strategies a run measures, by the words of their names: those with a word of ``only``
+    (empty: every one), less those with a word of ``skip``."""
+
+    only: tuple = ()
+    skip: tuple = ()
+
+    def __call__(self, name: str) -> bool:
+        return ((not self.only or any(w in name for w in self.only))
+                and not any(w in name for w in self.skip))
+
+
 def _strategy(is_rms: bool, backward: bool, name: str):
     """A provider's function: the public norm with the strategy ``name`` for the row's width as
     the configuration of its forward (``backward``: of its backward)."""
@@ -62,12 +76,12 @@ def _strategy(is_rms: bool, backward: bool, name: str):
     return call
 
 
-def part_op(part: str, tiny: bool):
-    """The bench op of ``part`` with a provider a strategy (and the installed peers)."""
+def part_op(part: str, tiny: bool, choice: Choice = Choice()):
+    """The bench op of ``part`` with a provider a strategy of ``choice`` (and the installed peers)."""
     name, mode = PARTS[part]
     op = ops()[name]
     backward = mode == "bwd"
-    strategies = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward)}
+    strategies = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)}
     providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in strategies}
     providers.update((p, op.providers[p]) for p in PEERS if p in op.providers)
     return dataclasses.replace(op, providers=providers, small_shapes=TINY_SHAPES if tiny else op.small_shapes)
@@ -75,11 +89,13 @@ def part_op(part: str, tiny: bool):
 
 class BudgetRunner(OpRunner):
     """The runner of one part: at each width the strategies that apply to it (and the peers);
-    no width starts past the time ``deadline`` (time.monotonic)."""
+    no width starts past the time ``deadline`` (time.monotonic); ``done(records)`` after each
+    width, with the records so far."""
 
     def __init__(self, op, settings: Settings, device, log, deadline: float, backward: bool):
         super().__init__(op, settings, device, log)
         self.deadline, self.backward, self.cut, self.n = deadline, backward, [], None
+        self.done = lambda records: None
 
     def providers(self, op) -> list:
         names = super().providers(op)
@@ -94,6 +110,7 @@ class BudgetRunner(OpRunner):
             return
         self.n = shape["N"]
         super()._run_case(op, dtype, kind, shape)
+        self.done(self.records)
 
 
 def summarise(part: str, records: list) -> list:
@@ -140,16 +157,15 @@ def write(out: str, header: dict, records: list) -> None:
         f.write(markdown(header, records))
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Triton's allocator: device-side tensor descriptors (the TMA split) take their memory here."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _parts(text: str) -> list:
     parts = text.split(",")
     if set(parts) - set(PARTS):
         raise argparse.ArgumentTypeError(f"choose from {', '.join(PARTS)}")
     return parts
+
+
+def _words(text: str) -> tuple:
+    return tuple(w for w in text.split(",") if w)
 
 
 def main(argv=None) -> int:
@@ -159,10 +175,14 @@ def main(argv=None) -> int:
                    help="comma-separated (default: " + ",".join(map(str, WIDTHS)) + ")")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of wide_rows.json / .md (default $OUT)")
     p.add_argument("--budget-s", type=float, default=450.0, help="start no width after this many seconds")
+    p.add_argument("--only", type=_words, default=(), help="comma-separated: only strategies with one of "
+                   "these words in their names (default: every one)")
+    p.add_argument("--skip", type=_words, default=(), help="comma-separated: no strategy with one of these words "
+                   "in its name, e.g. tma")
     p.add_argument("--tiny", action="store_true", help="CPU: the checks only, at a tiny shape")
     args = p.parse_args(argv)
     parts, widths, device = args.parts, args.widths, script_device(args.tiny, p.error)
-    triton.set_allocator(_scratch)
+    choice = Choice(args.only, args.skip)
     deadline = time.monotonic() + args.budget_s
     header = {**environment(device), "command": "python benchmarks/wide_rows.py " + shlex.join(
         sys.argv[1:] if argv is None else argv), "config_source": _device.tuned_of(device).source,
@@ -172,7 +192,11 @@ def main(argv=None) -> int:
     for part in parts:
         name, mode = PARTS[part]
         settings = Settings(ops=[name], dtypes=["bf16"], sizes=widths, modes=(mode,), decode=False, eager=False)
-        runner = BudgetRunner(part_op(part, args.tiny), settings, device, log, deadline, mode == "bwd")
+        runner = BudgetRunner(part_op(part, args.tiny, choice), settings, device, log, deadline, mode == "bwd")
+        # (each width written as it ends: a strategy that kills the CUDA context keeps the rest)
+        runner.done = lambda mine, part=part, runner=runner: write(
+            args.out, {**header, "copy_gbps": {**header["copy_gbps"], part: runner.copy_gbps}},
+            records + summarise(part, mine))
         records += summarise(part, runner.run())
         header["copy_gbps"][part] = runner.copy_gbps
         if runner.cut:

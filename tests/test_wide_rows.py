@@ -1,5 +1,6 @@
 """benchmarks/wide_rows.py --tiny on CPU: every wide-row strategy passes the bench's float64 check,
-and the JSON and markdown it writes name them; a spent time budget starts no width."""
+and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
+names; a spent time budget starts no width."""
 import json
 
 import pytest
@@ -29,3 +30,35 @@ def test_a_spent_budget_starts_no_width(tmp_path):
     assert benchmark_script("wide_rows").main(["--tiny", "--parts", "rmsnorm-bwd", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "wide_rows.json").read_text())
     assert summary["records"] == [] and summary["header"]["cut_by_budget"] == {"rmsnorm-bwd": [1000]}
+
+
+@pytest.mark.parametrize("flags,kept", [
+    (["--skip", "tma"], lambda name: "tma" not in name),
+    (["--only", "tma,table"], lambda name: "tma" in name or name == "table"),
+    (["--only", "split", "--skip", "tma,lag"], lambda name: name in ("split 8192x8", "split 4096x4 s3")),
+])
+def test_strategies_chosen_by_words_of_their_names(tmp_path, flags, kept):
+    wide_rows = benchmark_script("wide_rows")
+    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", *flags, "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
+    names = wide_row_candidates(wide_rows.TINY_SHAPES[0]["N"], False)
+    assert sorted(r["provider"] for r in records) == sorted(filter(kept, names))
+    assert all(r["status"] == "ok" for r in records), records
+
+
+def test_each_width_is_written_as_it_ends(tmp_path, monkeypatch):
+    """A strategy that ends the process (as one that kills the CUDA context does) leaves the
+    widths measured before it written."""
+    wide_rows = benchmark_script("wide_rows")
+    monkeypatch.setattr(wide_rows, "TINY_SHAPES", ({"M": 3, "N": 1000}, {"M": 3, "N": 2000}))
+    run_case = wide_rows.BudgetRunner._run_case
+
+    def ends_at_the_second_width(self, op, dtype, kind, shape):
+        if shape["N"] == 2000:
+            raise SystemExit("the CUDA context is lost")
+        run_case(self, op, dtype, kind, shape)
+    monkeypatch.setattr(wide_rows.BudgetRunner, "_run_case", ends_at_the_second_width)
+    with pytest.raises(SystemExit):
+        wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", "--only", "table", "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
+    assert [(r["n"], r["provider"], r["status"]) for r in records] == [(1000, "table", "ok")]

@@ -43,9 +43,9 @@ def split_kernel_resources(dtype: str, is_rms: bool, block_n: int, num_warps: in
     options = dict(num_warps=num_warps)
     if forward:
         kernel = norm_forward.norm_fwd_split_kernel
-        types = dict(X=ptr, RES=ptr, W=ptr, B=ptr, Y=ptr, H=ptr, MEAN="*fp32", RSTD="*fp32", SLOTS="*i64", M="i32",
-                     N="i32", stride_x="i32", stride_res="i32", stride_y="i32", stride_h="i32", eps="fp32",
-                     weight_offset="fp32")
+        types = dict(X=ptr, X_DESC=ptr, RES=ptr, W=ptr, B=ptr, Y=ptr, H=ptr, MEAN="*fp32", RSTD="*fp32",
+                     SLOTS="*i64", M="i32", N="i32", stride_x="i32", stride_res="i32", stride_y="i32",
+                     stride_h="i32", eps="fp32", weight_offset="fp32")
         constexprs = dict(IS_RMS=is_rms, HAS_RES=False, HAS_W=True, HAS_B=not is_rms, ROUND_X_HAT=is_rms,
                           STORE_STATS=True, PARTS=parts, PARTS_POW2=triton.next_power_of_2(parts), BLOCK_N=block_n,
                           EVEN=True, STAGES=stages)

@@ -32,10 +32,8 @@ import os
 import shlex
 import sys
 
-import torch
-
 from llmkernels.bench.registry import Provider, need_module, ops
-from llmkernels.bench.runner import Runner, Settings, environment
+from llmkernels.bench.runner import OpRunner, Settings, environment, script_device
 from llmkernels.ops import _device
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,17 +69,6 @@ def portable_op(name: str, ours: str, heuristic: bool, wanted):
     return dataclasses.replace(op, providers={p: v for p, v in providers.items() if wanted is None or p in wanted})
 
 
-class PortableRunner(Runner):
-    """The bench's runner over one op given here (not looked up by name)."""
-
-    def __init__(self, op, settings: Settings, device, log):
-        super().__init__(settings, device, log)
-        self.op = op
-
-    def selected_ops(self) -> list:
-        return [self.op]
-
-
 def run(families, widths, providers, device, log) -> tuple:
     """Records of every family under each configuration source (the installed one with the
     peers, then the heuristic alone where a cache is installed), and each op's copy GB/s."""
@@ -95,7 +82,7 @@ def run(families, widths, providers, device, log) -> tuple:
         for name, ours, modes in (entry for family in families for entry in FAMILIES[family]):
             settings = Settings(ops=[name], dtypes=["bf16"], sizes=list(sizes[FAMILY_OF[name]]), modes=modes,
                                 decode=False, eager=False)
-            runner = PortableRunner(portable_op(name, ours, alone, providers), settings, device, log)
+            runner = OpRunner(portable_op(name, ours, alone, providers), settings, device, log)
             with context():
                 found = runner.run()
             copies[f"{name} ({source})"] = runner.copy_gbps
@@ -146,9 +133,7 @@ def main(argv=None) -> int:
     families = args.ops.split(",")
     if set(families) - set(FAMILIES):
         p.error(f"--ops: choose from {', '.join(FAMILIES)}")
-    if not torch.cuda.is_available() and not args.tiny:
-        p.error("needs a CUDA GPU (--tiny: the checks only, on CPU with TRITON_INTERPRET=1)")
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = script_device(args.tiny, p.error)
     widths = tuple(int(n) for n in args.widths.split(",")) if args.widths else NORM_WIDTHS
     wanted = args.providers.split(",") if args.providers else None
     records, copies = run(families, widths, wanted, device, lambda line: print(line, file=sys.stderr, flush=True))

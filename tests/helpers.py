@@ -1,5 +1,6 @@
 """Helpers shared by the test modules: comparisons, peak memory, bad-input tests, a runner of
 several ranks."""
+import importlib.util
 import os
 import sys
 
@@ -98,3 +99,12 @@ def _rank_main(rank: int, world: int, path: str, fn, args):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def benchmark_script(name: str):
+    """The module of ``benchmarks/<name>.py``, loaded from its file (the scripts are no package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

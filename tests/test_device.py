@@ -55,11 +55,12 @@ def test_h100_like_device_takes_todays_tables(copy_gbps):
 
 
 def _as_then(config):
-    """A configuration as 1b6d940 wrote it: the forward split's later ``stages`` field (a
-    pipelined forward, which did not exist then) must be 0, and is left out."""
+    """A configuration as 1b6d940 wrote it: the forward split's later fields (``stages``: a
+    pipelined forward, ``tma``, ``lag``: none of which existed then) must be at their defaults,
+    and are left out."""
     if isinstance(config, SplitFwdConfig):
-        assert config.stages == 0, config
-        return _Written(repr(config).replace(", stages=0)", ")"))
+        assert (config.stages, config.tma, config.lag) == (0, False, 1), config
+        return _Written(repr(config).replace(", stages=0, tma=False, lag=1)", ")"))
     return config
 
 

@@ -134,6 +134,21 @@ def test_cached_launch_takes_none_for_a_tensor_first(gpu_launch):
     assert kinds(kernel) == ["triton", "direct", "triton", "direct", "direct"]
 
 
+def test_cached_launch_sends_tensor_descriptors_through_triton(gpu_launch):
+    """A call with a host-side tensor descriptor goes through Triton each time (Triton keys and
+    encodes descriptors itself), first seen or after a tensor in its place; the descriptor as
+    given."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel, launcher = gpu_launch
+    x = torch.zeros(4, 64)
+    desc = TensorDescriptor(x, [4, 64], [64, 1], [1, 64])
+    for arg in (desc, desc, x, x, desc):
+        launcher((1,), arg, 64, 1.0)
+    assert kinds(kernel) == ["triton", "triton", "triton", "direct", "triton"]
+    assert kernel.calls[1][2][0] is desc and kernel.calls[4][2][0] is desc
+
+
 def test_cached_launch_falls_back_to_triton(gpu_launch, monkeypatch):
     kernel, launcher = gpu_launch
 

@@ -317,6 +317,43 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device):
     check_norm(is_rms, x[:1, :3], torch.randn(n, device=device, dtype=dtype), casting="gemma", config=config)
 
 
+@pytest.mark.parametrize("tma, lag", [(True, 1), (False, 2), (True, 2)], ids=["tma", "lag2", "tma-lag2"])
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_split_forward_wide_row_candidates(is_rms, dtype, parts, tma, lag, device):
+    """The pipelined split forward reading x through a tensor descriptor made on the host (TMA on
+    a GPU) and / or writing y two rows behind the row it loads: one part per row (also under the
+    interpreter) or four, the last partly masked; more rows than groups in flight, fewer, and one;
+    with and without a residual. With TMA, rows that do not start on 16 bytes are refused."""
+    if parts > 1 and INTERPRETED:
+        pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
+    n = 232  # 16-byte rows in bf16 and fp32; slices of 64 columns or more (128 bytes in bf16)
+    config = NormConfig(forward=SplitFwdConfig(256 // parts, 4, 2, 3, tma=tma, lag=lag))
+    split_parts, groups = _rowsplit.split_grid(n, 2**20, 256 // parts, torch.device(device), 2)
+    assert split_parts == parts
+    x = torch.randn(2, groups + 1, n, device=device, dtype=dtype) + 2.0
+    check_norm(is_rms, x, torch.randn(n, device=device), None if is_rms else torch.randn(n, device=device),
+               torch.randn_like(x), prenorm=True, config=config)
+    check_norm(is_rms, x[:, :3], torch.randn(n, device=device, dtype=dtype), config=config)
+    check_norm(is_rms, x[:1, :1], torch.randn(n, device=device, dtype=dtype), config=config)
+    if tma:
+        with pytest.raises(ValueError, match="config .*TMA reads rows that start on 16 bytes"):
+            lk.rms_norm(torch.randn(4, n + 1, device=device, dtype=dtype)[:, :n], torch.randn(n, device=device),
+                        config=config)
+
+
+def test_split_forward_tma_refuses_slices_short_of_128_bytes(device):
+    """TMA copies each pipelined slice into a shared-memory buffer that must start on 128 bytes: a
+    slice of 32 bf16 columns (64 bytes) is refused naming config before anything launches; 32
+    fp32 columns (128 bytes) run."""
+    config = NormConfig(forward=SplitFwdConfig(32, 4, 2, 3, tma=True))
+    w = torch.randn(32, device=device)
+    with pytest.raises(ValueError, match="config .*TMA slice of 32 torch.bfloat16 .*128 bytes"):
+        lk.rms_norm(torch.randn(4, 32, device=device, dtype=torch.bfloat16), w, config=config)
+    check_norm(True, torch.randn(4, 32, device=device) + 2.0, w, config=config)
+
+
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
 def test_blocked_path_forced(is_rms, device):
     """The blocked kernels at a small width (32-column chunks, 2 rows a tile), with several rows
@@ -803,6 +840,9 @@ def test_config_argument_is_checked(device):
            (ValueError, NormConfig(forward=FwdConfig(1, 48, 4, one_pass=False)), "config.forward .*power of two"),
            (ValueError, NormConfig(backward=SplitBwdConfig(64, 3, 0)), "config.backward .*num_warps"),
            (ValueError, NormConfig(forward=SplitFwdConfig(64, 4, 1, stages=1)), "config.forward .*stages"),
+           (ValueError, NormConfig(forward=SplitFwdConfig(64, 4, 1, tma=True)), "config.forward .*tma"),
+           (ValueError, NormConfig(forward=SplitFwdConfig(64, 4, 1, lag=2)), "config.forward .*lag"),
+           (ValueError, NormConfig(forward=SplitFwdConfig(64, 4, 1, 3, lag=3)), "config.forward .*lag"),
            (TypeError, NormConfig(forward=FwdConfig(True, 64, 4)), "config.forward .*block_m")]
     for error, config, message in bad:
         with pytest.raises(error, match=message):

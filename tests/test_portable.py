@@ -1,23 +1,14 @@
 """benchmarks/portable.py --tiny on CPU: the checks of both configuration sources (the installed
 cache, then the heuristic alone) and the summary file, which later runs extend."""
-import importlib.util
 import json
-import os
 
 import pytest
 
 from llmkernels.ops import _device
 from tests.conftest import INTERPRETED
+from tests.helpers import benchmark_script
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--tiny is the CPU check")
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "portable.py")
-
-
-def _portable():
-    spec = importlib.util.spec_from_file_location("portable", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_both_sources_and_the_summary_grows(tmp_path, monkeypatch):
@@ -30,7 +21,7 @@ def test_both_sources_and_the_summary_grows(tmp_path, monkeypatch):
         seen.append(_device.tuned_caches_off())
         return _device.NONE if _device.tuned_caches_off() else _device.Tuned("installed.json")
     monkeypatch.setattr(_device, "tuned_of", tuned_of)
-    portable, out = _portable(), tmp_path / "summary.json"
+    portable, out = benchmark_script("portable"), tmp_path / "summary.json"
     assert portable.main(["--tiny", "--ops", "norm", "--providers", "llmkernels,torch", "--out", str(out)]) == 0
     assert portable.main(["--tiny", "--ops", "rope", "--providers", "llmkernels", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())

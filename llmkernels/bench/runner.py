@@ -182,6 +182,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * COPY_BYTES / ms / 1e6
 
 
+def script_device(tiny: bool, error) -> torch.device:
+    """A benchmark script's device: the GPU, or with ``tiny`` the CPU (the checks only, under
+    Triton's interpreter); else ``error(message)`` (argparse's)."""
+    if not torch.cuda.is_available() and not tiny:
+        error("needs a CUDA GPU (--tiny: the checks only, on CPU with TRITON_INTERPRET=1)")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def free_memory():
     gc.collect()
     if torch.cuda.is_available():
@@ -468,6 +476,17 @@ class Runner:
                 "status": None, "timing": None, "ms": None, "us": None, "gbps": None, "pct_copy": None,
                 "copy_gbps": self.copy_gbps, "rel_err": None, "errors": {}, "tol": None, "note": None,
                 **self.env}
+
+
+class OpRunner(Runner):
+    """The runner over one op given here (not looked up by name): a script's own providers."""
+
+    def __init__(self, op: BenchOp, settings: Settings, device: torch.device, log):
+        super().__init__(settings, device, log)
+        self.op = op
+
+    def selected_ops(self) -> list:
+        return [self.op]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

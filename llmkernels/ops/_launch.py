@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ._triton import HAVE_TRITON, knobs, tl
+from ._triton import HAVE_TRITON, TensorDescriptor, knobs, tl
 
 # Triton's interpreter runs the real kernel code on CPU tensors; it must be chosen before triton
 # is imported, so it is read once here.
@@ -81,12 +81,16 @@ def reference_dtype(t: torch.Tensor):
 # determine the fingerprint; a fingerprint is computed only for values not seen before.
 _FINGERPRINTS: dict = {}
 _VALUES: dict = {}
+# Host-side tensor descriptors: Triton keys them itself, and a call with one always goes through
+# Triton, whose launch encodes the descriptor (its hardware form varies between versions).
+_DESCRIPTORS = (TensorDescriptor,) if TensorDescriptor is not None else ()
 VALUES_KEPT = 256  # a Launcher's look-ups by value (all dropped when full: a run's sizes are few)
 
 
 def _kinds(args) -> tuple:
     return tuple("tensor" if isinstance(a, torch.Tensor) else "float" if type(a) is float
-                 else "none" if a is None else "number" for a in args)
+                 else "none" if a is None else "descriptor" if isinstance(a, _DESCRIPTORS) else "number"
+                 for a in args)
 
 
 def _generated(name: str, kinds: tuple, term) -> object:
@@ -101,14 +105,15 @@ def _generated(name: str, kinds: tuple, term) -> object:
 
 def _fingerprint(kinds: tuple):
     """The function ``(device, *args) -> key`` for arguments of ``kinds`` (``_kinds``: tensor,
-    float, None or number at each position). A number's key holds its class too, so an int, a
-    bool and a float never share one; None (which Triton specialises as a constant) keys as
-    ``a is None``."""
+    float, None, descriptor or number at each position). A number's key holds its class too, so
+    an int, a bool and a float never share one; None (which Triton specialises as a constant)
+    keys as ``a is None``; a descriptor as its class (Triton looks such calls up itself)."""
     fingerprint = _FINGERPRINTS.get(kinds)
     if fingerprint is None:
         number = "({a}.__class__, {a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF)"
         fingerprint = _FINGERPRINTS[kinds] = _generated("fingerprint", kinds, lambda a, kind: (
             f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a} is None" if kind == "none" else
+            f"{a}.__class__" if kind == "descriptor" else
             # (a float is not specialised: its class is its key, and a number of another class its own)
             f"{a}.__class__ is float or {number.format(a=a)}" if kind == "float" else number.format(a=a)))
     return fingerprint
@@ -121,7 +126,7 @@ def _values(kinds: tuple):
     if values is None:
         values = _VALUES[kinds] = _generated("values", kinds, lambda a, kind: (
             f"{a}.dtype, {a}.data_ptr() % 16 == 0" if kind == "tensor" else f"{a} is None" if kind == "none"
-            else f"{a}.__class__, {a}"))
+            else f"{a}.__class__" if kind == "descriptor" else f"{a}.__class__, {a}"))
     return values
 
 
@@ -217,23 +222,25 @@ class Launcher:
         launched = entry is None
         if launched:
             compiled = self.kernel[grid](*args, **self.options)  # Triton compiles (or finds) it, and launches
-            entry = self._compiled[key] = self._handle(compiled, len(args))
+            entry = self._compiled[key] = self._handle(compiled, args)
         if values is not None:
             if len(self._by_values) >= VALUES_KEPT:
                 self._by_values.clear()
             self._by_values[values] = entry
         return None if launched else entry
 
-    def _handle(self, compiled, n_args: int):
+    def _handle(self, compiled, args: tuple):
         """What a later call needs to launch ``compiled`` itself: its launcher, function handle
-        and packed metadata (present once Triton has launched it), or _PUBLIC. (The launcher's
-        arguments after those: launch metadata and the enter and exit hooks, None here.)"""
-        if not direct or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        and packed metadata (present once Triton has launched it), or _PUBLIC (also where an
+        argument is a tensor descriptor). (The launcher's arguments after those: launch metadata
+        and the enter and exit hooks, None here.)"""
+        if (not direct or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+                or any(isinstance(a, _DESCRIPTORS) for a in args)):
             return _PUBLIC
         if self._tail is None:  # the constexprs, passed after the runtime arguments
             params = inspect.signature(self.kernel.fn).parameters
             self._tail = tuple(self.options[name] if name in self.options else params[name].default
-                               for name in self.kernel.arg_names[n_args:])
+                               for name in self.kernel.arg_names[len(args):])
         return compiled.run, compiled.function, compiled.packed_metadata
 
     def _refused(self, grid, args) -> None:

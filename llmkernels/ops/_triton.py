@@ -20,6 +20,11 @@ except ImportError:
 
 HAVE_TRITON = triton is not None
 
+try:  # x read through a tensor descriptor made on the host (Triton 3.4+): what TMA copies from
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 try:  # the launcher's hooks live in ``triton.knobs`` from Triton 3.4 (older versions: see _launch.Launcher)
     from triton import knobs
 except ImportError:

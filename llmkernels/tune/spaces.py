@@ -102,6 +102,28 @@ def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
     return near
 
 
+def wide_row_candidates(n: int, backward: bool) -> dict:
+    """Named strategies for rows of ``n`` (32K columns and more), measured side by side by
+    ``benchmarks/wide_rows.py`` before any becomes a table row or a tune candidate: None (the
+    tables' choice, or the tuned cache's), today's paths (the blocked loop, one pass where the row
+    fits 64 elements a thread, the split and the pipelined split), and the candidates: the
+    pipelined split reading x through TMA (``tma``), and writing y two rows behind (``lag``)."""
+    if backward:
+        return {"table": None, "blocked": BwdConfig(4, 1024, 4, one_pass=False, per_sm=4),
+                "split 8192x8 s3": SplitBwdConfig(8192, 8, 3), "split 8192x8 s4": SplitBwdConfig(8192, 8, 4),
+                "split 8192x16 s3": SplitBwdConfig(8192, 16, 3), "split 4096x4 s3": SplitBwdConfig(4096, 4, 3)}
+    found = {"table": None, "blocked": FwdConfig(1, 16384, 32, one_pass=False)}
+    if row_block(n) <= 65536:
+        found["one pass"] = FwdConfig(1, row_block(n), 32)
+    return {**found, "split 8192x8": SplitFwdConfig(8192, 8, 2), "split 4096x4 s3": SplitFwdConfig(4096, 4, 4, 3),
+            "split 4096x4 s3 lag2": SplitFwdConfig(4096, 4, 4, 3, lag=2),
+            "split 4096x4 s3 tma": SplitFwdConfig(4096, 4, 4, 3, tma=True),
+            "split 4096x4 s4 tma": SplitFwdConfig(4096, 4, 4, 4, tma=True),
+            "split 4096x4 s3 tma lag2": SplitFwdConfig(4096, 4, 4, 3, tma=True, lag=2),
+            "split 8192x8 s3 tma": SplitFwdConfig(8192, 8, 2, 3, tma=True),
+            "split 16384x16 s3 tma": SplitFwdConfig(16384, 16, 1, 3, tma=True)}
+
+
 def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OPS), dtype=torch.bfloat16,
                rows: Optional[int] = None, limit: int = 0) -> list:
     """The norms' tasks: forward and backward of each op at each width (``rows``: None, the

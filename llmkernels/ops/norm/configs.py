@@ -89,12 +89,22 @@ class SplitFwdConfig:
     # 0: a row ahead in registers, its slice read again for y; k >= 2: the row loop's loads
     # pipelined by Triton in k stages, the previous row held for its y
     stages: int = 0
+    # pipelined (stages >= 2): x's slices read through a tensor descriptor made on the host, so
+    # that the pipeliner copies them with TMA (bulk copies into shared memory, no address
+    # registers); x's rows must start on 16 bytes and a slice fill multiples of 128 bytes
+    tma: bool = False
+    # pipelined: y written for the row this many rows (1 or 2) behind the one loaded, so that the
+    # siblings' sums have had that many rows' time to arrive (2: the slice read again, from L2)
+    lag: int = 1
 
     def check(self, n: int, name: str = "config") -> None:
         _check_fields(self, name)
         _require(self.per_sm >= 1, name, self, "per_sm must be at least 1")
         _require(self.stages == 0 or 2 <= self.stages <= MAX_STAGES, name, self,
                  f"stages must be 0 or 2 to {MAX_STAGES}")
+        _require(not self.tma or self.stages >= 2, name, self, "tma needs stages >= 2 (the pipelined loop)")
+        _require(self.lag == 1 or (self.lag == 2 and self.stages >= 2), name, self,
+                 "lag must be 1, or 2 with stages >= 2 (the pipelined loop)")
 
     def deepened(self, depth: int) -> "SplitFwdConfig":
         """``depth`` times the programs a multiprocessor (``more_programs``), within

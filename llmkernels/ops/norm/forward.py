@@ -177,14 +177,14 @@ def _store_stats(MEAN, RSTD, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
 
 @triton.jit
 def norm_fwd_split_kernel(
-    X, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
+    X, X_DESC, RES, W, B, Y, H, MEAN, RSTD, SLOTS,
     M, N,
     stride_x, stride_res, stride_y, stride_h,
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     ROUND_X_HAT: tl.constexpr, STORE_STATS: tl.constexpr,
     PARTS: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, TMA: tl.constexpr = False, LAG: tl.constexpr = 1,
 ):
     """Forward of rows too wide for one program: ``PARTS`` programs share each row, each taking a
     ``BLOCK_N``-column slice and holding its weight (and bias) in registers. The row loop runs a
@@ -204,7 +204,12 @@ def norm_fwd_split_kernel(
     copied into shared memory, no registers held for them), so that more bytes are in flight
     than two register slices allow; the previous row's slice stays in registers for its y
     instead of being read again, and rows past the last publish zeros into spare slots
-    (``SLOTS [M + groups, PARTS]``) so that the loop holds no branch."""
+    (``SLOTS [M + LAG * groups, PARTS]``) so that the loop holds no branch. TMA (pipelined): x's
+    slices are read through ``X_DESC``, x's tensor descriptor of ``[1, BLOCK_N]`` blocks made on
+    the host, which the pipeliner copies with TMA (zeros past the last row and column, as the
+    masked loads; without TMA, X_DESC is x and unread). LAG (pipelined, 1
+    or 2): y is written for the row LAG rows behind the one loaded, so that the siblings' sums
+    have had LAG iterations to arrive before they are waited on (LAG 2: its slice read again)."""
     part = tl.program_id(0) % PARTS
     group = tl.program_id(0) // PARTS
     groups = tl.num_programs(0) // PARTS
@@ -216,13 +221,22 @@ def norm_fwd_split_kernel(
     slot_mask = slot_idx < PARTS
     row = group + tl.zeros([], dtype=tl.int64)  # the row published this iteration
     if STAGES > 0:
-        x_prev, shift_prev = _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask,
-                                           M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
-        for nxt in tl.range(group + groups, M + groups, groups, num_stages=STAGES):
+        x_prev, shift_prev = _fwd_split_in(X, X_DESC, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols,
+                                           mask, M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
+        if LAG == 2:
+            shift_prev2 = shift_prev
+            _, shift_prev = _fwd_split_in(X, X_DESC, RES, H, SLOTS, row + groups, part, stride_x, stride_res,
+                                          stride_h, cols, mask, M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
+        for nxt in tl.range(group + LAG * groups, M + LAG * groups, groups, num_stages=STAGES):
             nxt64 = nxt + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter)
-            x, shift = _fwd_split_in(X, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask, M, N,
-                                     in_ty, PARTS, IS_RMS, HAS_RES, EVEN)
-            _fwd_split_write(nxt64 - groups, x_prev, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
+            x, shift = _fwd_split_in(X, X_DESC, RES, H, SLOTS, nxt64, part, stride_x, stride_res, stride_h, cols, mask,
+                                     M, N, in_ty, PARTS, IS_RMS, HAS_RES, EVEN, TMA)
+            if LAG == 2:  # (the slice read again, from L2: held in registers it stops the pipelining)
+                x_out = _fwd_split_again(X, H, nxt64 - 2 * groups, stride_x, stride_h, cols, mask, HAS_RES)
+                shift_out, shift_prev2 = shift_prev2, shift_prev
+            else:
+                x_out, shift_out = x_prev, shift_prev
+            _fwd_split_write(nxt64 - LAG * groups, x_out, shift_out, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
                              RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
                              ROUND_X_HAT, STORE_STATS, True)
             x_prev, shift_prev = x, shift
@@ -252,17 +266,20 @@ def norm_fwd_split_kernel(
         if row >= groups:
             # The slice is read again first: that read is in flight while the program waits on
             # the slots (measured: benchmarks/RESULTS.md 1.2).
-            if HAS_RES:
-                x_again = tl.load(H + (row - groups) * stride_h + cols, mask=mask, other=0.0,
-                                  eviction_policy="evict_first")
-            else:
-                x_again = tl.load(X + (row - groups) * stride_x + cols, mask=mask, other=0.0,
-                                  eviction_policy="evict_first")
+            x_again = _fwd_split_again(X, H, row - groups, stride_x, stride_h, cols, mask, HAS_RES)
             _fwd_split_write(row - groups, x_again, shift_prev, part, SLOTS, slot_idx, slot_mask, w, b, Y, MEAN,
                              RSTD, cols, mask, N, stride_y, eps, weight_offset, in_ty, PARTS, IS_RMS, HAS_W, HAS_B,
                              ROUND_X_HAT, STORE_STATS, False)
         shift_prev = shift_now
         row += groups
+
+
+@triton.jit
+def _fwd_split_again(X, H, row, stride_x, stride_h, cols, mask, HAS_RES: tl.constexpr):
+    """Row ``row``'s slice read again for its y (h with a residual), its last use."""
+    if HAS_RES:
+        return tl.load(H + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -280,11 +297,17 @@ def _fwd_split_publish(x, shift, mask, SLOT, IS_RMS: tl.constexpr, EVEN: tl.cons
 
 
 @triton.jit
-def _fwd_split_in(X, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask, M, N, in_ty: tl.constexpr,
-                  PARTS: tl.constexpr, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
+def _fwd_split_in(X, X_DESC, RES, H, SLOTS, row, part, stride_x, stride_res, stride_h, cols, mask, M, N,
+                  in_ty: tl.constexpr, PARTS: tl.constexpr, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr,
+                  EVEN: tl.constexpr, TMA: tl.constexpr):
     """Load row ``row``'s slice (x, or h = x + residual, stored to H; zeros past the last row) and
-    publish its sums; returns the slice in the norm's input dtype and its shift (LayerNorm)."""
-    x = row_slice(X, row, stride_x, cols, M, N, 0.0)
+    publish its sums; returns the slice in the norm's input dtype and its shift (LayerNorm).
+    TMA: x's slice through the descriptor ``X_DESC``."""
+    if TMA:
+        block_n: tl.constexpr = X_DESC.block_shape[1]
+        x = tl.reshape(X_DESC.load([row.to(tl.int32), part * block_n]), [block_n])
+    else:
+        x = row_slice(X, row, stride_x, cols, M, N, 0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + row_slice(RES, row, stride_res, cols, M, N, 0.0).to(tl.float32)).to(in_ty)
         tl.store(H + row * stride_h + cols, x, mask=cols < tl.where(row < M, N, 0))

@@ -18,6 +18,7 @@ from .._args import cdiv, next_pow2, or_stand_in, row_stride
 from .._device import device_of, fit_stages, model_of, persistent_programs, tuned_of
 from .._launch import Launcher, PlanCache, launcher_of
 from .._rowsplit import resident_registers, split_grid
+from .._triton import TensorDescriptor
 from .backward import norm_bwd_dots_kernel, norm_bwd_kernel, norm_bwd_split_kernel, sum_partials_kernel
 from .configs import (DOTS_BLOCK_N, DOTS_WARPS, DW_STEP_ELEMENTS, SUMS_BLOCK_N, SUMS_BLOCK_P, SUMS_WARPS,
                       BackwardConfig, ForwardConfig, SplitBwdConfig, SplitFwdConfig, check_config)
@@ -79,11 +80,13 @@ class BwdKey(NamedTuple):
 
 class FwdPlan(NamedTuple):
     """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
-    kernel's exchange slots (None: the rows kernel)."""
+    kernel's exchange slots (None: the rows kernel); ``tma_block``: x read through a tensor
+    descriptor of ``[1, tma_block]`` blocks, made on the host each call (0: none)."""
 
     launch: Launcher
     grid: tuple
     slots: Optional[tuple]
+    tma_block: int = 0
 
 
 class BwdPlan(NamedTuple):
@@ -109,8 +112,8 @@ def _fwd_launcher(config: ForwardConfig, n: int, parts: int = 1, *, is_rms: bool
                     STORE_STATS=store_stats)
     if isinstance(config, SplitFwdConfig):
         return launcher_of(norm_fwd_split_kernel, **switches, PARTS=parts, PARTS_POW2=next_pow2(parts),
-                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages,
-                        num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
+                        BLOCK_N=config.block_n, EVEN=n % config.block_n == 0, STAGES=config.stages, TMA=config.tma,
+                        LAG=config.lag, num_warps=config.num_warps, maxnreg=resident_registers(config.num_warps, config.per_sm))
     return launcher_of(norm_fwd_kernel, **switches, PER_HEAD=heads > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     ONE_PASS=config.one_pass, EARLY_W=config.early_w, TAIL_N=config.tail_n,
                     num_warps=config.num_warps)
@@ -149,13 +152,39 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
         if split is not None:
             parts, groups = split
             # (a pipelined kernel publishes the rows past the last into spare slots)
-            slots = (m + groups if config.stages else m, parts)
-            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
+            slots = (m + config.lag * groups if config.stages else m, parts)
+            if config.tma:
+                _check_tma(config, options.x_dtype)
+            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots,
+                           config.block_n if config.tma else 0)
         config = forward_config(table_key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
 
 FWD_PLANS = PlanCache(_forward_plan)
+
+# TMA copies a pipelined slice into a ring of shared-memory buffers, each of which must start on
+# 128 bytes (where Triton's pipeliner does not check, the copy faults with "misaligned address").
+TMA_SLICE_BYTES = 128
+
+
+def _check_tma(config: SplitFwdConfig, dtype: torch.dtype) -> None:
+    """Raise ValueError naming ``config`` where its TMA read cannot run on x of ``dtype``."""
+    if TensorDescriptor is None:
+        raise ValueError(f"config {config}: TMA needs triton.tools.tensor_descriptor (Triton 3.4+)")
+    if config.block_n * dtype.itemsize % TMA_SLICE_BYTES:
+        raise ValueError(f"config {config}: a TMA slice of {config.block_n} {dtype} is not a multiple of "
+                         f"{TMA_SLICE_BYTES} bytes")
+
+
+def _x_read(x: torch.Tensor, tma_block: int, config: Optional[ForwardConfig]):
+    """What the split kernel reads x through: x's tensor descriptor of ``[1, tma_block]`` blocks
+    (its base and rows on 16 bytes, as TMA needs), or x itself (``tma_block`` 0)."""
+    if not tma_block:
+        return x
+    if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
+        raise ValueError(f"config {config}: TMA reads rows that start on 16 bytes, not x's (stride {x.stride(0)})")
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [1, tma_block])
 
 
 def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -172,17 +201,19 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not options.is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    handle, grid, slots = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None, weight is not None,
-                                           bias is not None, store_stats, options, config)]
+    handle, grid, slots, tma_block = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None,
+                                                      weight is not None, bias is not None, store_stats, options,
+                                                      config)]
     eps, weight_offset = options.eps, options.weight_offset
     if slots is None:
         handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
                or_stand_in(mean, y), or_stand_in(rstd, y), m, n, options.heads, x.stride(0), row_stride(residual),
                y.stride(0), row_stride(h), eps, weight_offset)
     else:
-        handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
-               or_stand_in(mean, y), or_stand_in(rstd, y), torch.zeros(slots, dtype=torch.int64, device=dev), m, n,
-               x.stride(0), row_stride(residual), y.stride(0), row_stride(h), eps, weight_offset)
+        handle(grid, x, _x_read(x, tma_block, config), or_stand_in(residual, x), or_stand_in(weight, x),
+               or_stand_in(bias, x), y, or_stand_in(h, y), or_stand_in(mean, y), or_stand_in(rstd, y),
+               torch.zeros(slots, dtype=torch.int64, device=dev), m, n, x.stride(0), row_stride(residual),
+               y.stride(0), row_stride(h), eps, weight_offset)
     return y, h, mean, rstd
 
 

@@ -1,0 +1,64 @@
+"""benchmarks/wide_rows.py --tiny on CPU: every wide-row strategy passes the bench's float64 check,
+and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
+names; a spent time budget starts no width."""
+import json
+
+import pytest
+
+from llmkernels.tune.spaces import wide_row_candidates
+from tests.conftest import INTERPRETED
+from tests.helpers import benchmark_script
+
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--tiny is the CPU check")
+
+
+def test_every_strategy_is_checked_and_written(tmp_path):
+    wide_rows = benchmark_script("wide_rows")
+    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd,layernorm-bwd", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "wide_rows.json").read_text())
+    n = wide_rows.TINY_SHAPES[0]["N"]
+    for part, backward in (("rmsnorm-fwd", False), ("layernorm-bwd", True)):
+        records = {r["provider"]: r for r in summary["records"] if r["part"] == part}
+        assert set(records) == set(wide_row_candidates(n, backward))
+        assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
+    assert records["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
+    table = (tmp_path / "wide_rows.md").read_text()
+    assert "## rmsnorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table
+
+
+def test_a_spent_budget_starts_no_width(tmp_path):
+    assert benchmark_script("wide_rows").main(["--tiny", "--parts", "rmsnorm-bwd", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "wide_rows.json").read_text())
+    assert summary["records"] == [] and summary["header"]["cut_by_budget"] == {"rmsnorm-bwd": [1000]}
+
+
+@pytest.mark.parametrize("flags,kept", [
+    (["--skip", "tma"], lambda name: "tma" not in name),
+    (["--only", "tma,table"], lambda name: "tma" in name or name == "table"),
+    (["--only", "split", "--skip", "tma,lag"], lambda name: name in ("split 8192x8", "split 4096x4 s3")),
+])
+def test_strategies_chosen_by_words_of_their_names(tmp_path, flags, kept):
+    wide_rows = benchmark_script("wide_rows")
+    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", *flags, "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
+    names = wide_row_candidates(wide_rows.TINY_SHAPES[0]["N"], False)
+    assert sorted(r["provider"] for r in records) == sorted(filter(kept, names))
+    assert all(r["status"] == "ok" for r in records), records
+
+
+def test_each_width_is_written_as_it_ends(tmp_path, monkeypatch):
+    """A strategy that ends the process (as one that kills the CUDA context does) leaves the
+    widths measured before it written."""
+    wide_rows = benchmark_script("wide_rows")
+    monkeypatch.setattr(wide_rows, "TINY_SHAPES", ({"M": 3, "N": 1000}, {"M": 3, "N": 2000}))
+    run_case = wide_rows.BudgetRunner._run_case
+
+    def ends_at_the_second_width(self, op, dtype, kind, shape):
+        if shape["N"] == 2000:
+            raise SystemExit("the CUDA context is lost")
+        run_case(self, op, dtype, kind, shape)
+    monkeypatch.setattr(wide_rows.BudgetRunner, "_run_case", ends_at_the_second_width)
+    with pytest.raises(SystemExit):
+        wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", "--only", "table", "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
+    assert [(r["n"], r["provider"], r["status"]) for r in records] == [(1000, "table", "ok")]

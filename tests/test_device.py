@@ -143,6 +143,31 @@ def test_cache_paths_and_hiding(tmp_path, monkeypatch):
     monkeypatch.delenv("LLMKERNELS_TUNED")
     _write(user, {"b": {}}, fmt=_device.FORMAT + 1)
     assert _device.load(name).path == shipped
+    for text in ("[1, 2]", '{"format": %d, "entries": [1]}' % _device.FORMAT, "{not json"):
+        with open(user, "w") as f:
+            f.write(text)
+        assert _device.load(name).path == shipped
+
+
+@pytest.mark.parametrize("entry", [{"config": {"type": "NoSuchConfig"}}, {"config": {"type": "FwdConfig", "warps": 1}},
+                                   {"config": {"type": "FwdConfig", "block_m": 1}}, {"no_config": 1}, {"config": 7}, 3])
+def test_a_bad_tuned_entry_is_refused_for_the_heuristic(tmp_path, entry):
+    """A cache file of the right format whose entry is no configuration record (another type, an
+    unknown or missing field, no record at all) gives the tables' choice and a warning naming the
+    file, as a missing entry would; the good entries of the same file are still used."""
+    from llmkernels.ops.configs import cross_entropy as ce
+
+    key = NormKey(True, torch.bfloat16, False, 8192, 16384, 132)
+    path = str(tmp_path / "tuned.json")
+    _write(path, {tuned_name(key, "fwd"): entry,
+                  tuned_name(key, "bwd"): {"config": _device.as_record(SplitBwdConfig(4096, 8, 4))},
+                  ce.tuned_name(9000): entry})
+    tuned = _device.read_cache(path)
+    with pytest.warns(RuntimeWarning, match="tuned.json"):
+        assert forward_config(key, tuned) == forward_config(key)
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned entry"):
+        assert tuned.config(ce.tuned_name(9000), ce.RECORDS) is None
+    assert backward_config(key, tuned) == SplitBwdConfig(4096, 8, 4)
 
 
 def test_tuned_norm_config_for_training_sizes_only():

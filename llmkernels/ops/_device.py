@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -252,22 +253,31 @@ class Tuned:
         return self.path or "heuristic"
 
     def config(self, key: str, types):
-        """The tuned configuration of ``key`` (one of ``types``), or None."""
+        """The tuned configuration of ``key`` (one of ``types``), or None: also, with a warning
+        naming the file, for an entry that is not such a record (a hand-edited or foreign cache
+        must not stop a training run; the heuristic takes over)."""
         entry = self.entries.get(key)
-        return None if entry is None else from_record(entry["config"], types)
+        if entry is None:
+            return None
+        try:
+            return from_record(entry["config"], types)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            warnings.warn(f"llmkernels: ignoring the tuned entry {key!r} of {self.path}: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+            return None
 
 
 NONE = Tuned()
 
 
 def read_cache(path: str) -> Tuned:
-    """The cache at ``path``; ``NONE`` where it is missing or of another format."""
+    """The cache at ``path``; ``NONE`` where it is missing, not JSON, or of another format or shape."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return NONE
-    if data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries", {}), dict):
         return NONE
     return Tuned(path, dict(data.get("entries", {})), data.get("copy_gbps"))
 

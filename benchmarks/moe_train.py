@@ -247,6 +247,9 @@ def parse_args(argv=None):
     if args.tiny:  # the tiny model's values, then whatever the command line gives beside --tiny
         parser.set_defaults(**TINY, device="cpu", loss_rtol=1e-4)
         args = parser.parse_args(argv)
+    unknown = [name for name in args.providers.split(",") if name not in PROVIDERS]
+    if unknown:
+        parser.error(f"--providers: unknown {', '.join(unknown)}; choose from {', '.join(PROVIDERS)}")
     return args
 
 

@@ -161,6 +161,48 @@ def build_model(args, device):
     return model
 
 
+def train_steps(step_model, opt, batches: list, warmup: int, device, barrier=None) -> dict:
+    """Train on ``batches`` (``input_ids`` = ``labels``): ``warmup`` steps, then the rest timed
+    (CUDA-synchronized wall clock, then ``barrier()`` where given). Returns ``first_step_s`` (the
+    first step's time: compilation and autotuning included), ``elapsed_s`` of the timed steps, the
+    peak memory over them (``peak_gib``, None on CPU) and every step's loss (a float64 tensor)."""
+    import torch
+
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
+
+    def step(ids):
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, first_step_s = [], None
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        losses.append(step(batches[i]))
+        if i == 0:
+            sync()
+            first_step_s = time.perf_counter() - t0
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for ids in batches[warmup:]:
+        losses.append(step(ids))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return {"first_step_s": first_step_s, "elapsed_s": elapsed, "losses": torch.stack(losses).double(),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
 def run_provider(args, rank: int = 0, world: int = 1, device=None) -> dict | None:
     """Train ``args.provider``; every rank takes part, rank 0 returns the result (others None)."""
     import torch
@@ -194,39 +236,11 @@ def run_provider(args, rank: int = 0, world: int = 1, device=None) -> dict | Non
     g = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
                [rank * rows:(rank + 1) * rows] for _ in range(args.warmup + args.steps)]
-    losses = []
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-        if world > 1:
-            dist.barrier()
-
-    def step(ids):
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    t0 = time.perf_counter()
-    for i in range(args.warmup):
-        losses.append(step(batches[i]))
-        if i == 0:
-            sync()
-            result["first_step_s"] = time.perf_counter() - t0  # includes compilation for "compile"
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(args.warmup, args.warmup + args.steps):
-        losses.append(step(batches[i]))
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan], dtype=torch.float64,
-                        device=device)
-    losses = torch.stack(losses).double()
+    timed = train_steps(step_model, opt, batches, args.warmup, device, barrier=dist.barrier if world > 1 else None)
+    result["first_step_s"] = timed["first_step_s"]
+    elapsed = torch.tensor([timed["elapsed_s"]], dtype=torch.float64, device=device)
+    peak = torch.tensor([timed["peak_gib"] if cuda else math.nan], dtype=torch.float64, device=device)
+    losses = timed["losses"]
     peaks = [peak]
     if world > 1:  # the slowest rank's time, every rank's peak, the mean of the ranks' losses
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -387,6 +401,16 @@ def run_shape(args) -> dict:
                                           "batch", "warmup", "steps", "dtype")}
 
 
+def run_worker(cmd: list, provider: str, timeout: float) -> dict:
+    """Run one provider's process: its ``RESULT <json>`` line, else its error (the output's tail or the timeout)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"provider": provider, "error": f"timed out after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else {"provider": provider, "error": (proc.stderr or proc.stdout)[-2000:]}
+
+
 def run_all(args) -> dict:
     device_type = resolve_device(args.device)
     shape = run_shape(args)
@@ -407,13 +431,7 @@ def run_all(args) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     for provider in args.providers.split(","):
         cmd = [*launcher, os.path.abspath(__file__), "--provider", provider, *passthrough]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            entry = json.loads(lines[-1][7:]) if lines else {
-                "provider": provider, "error": (proc.stderr or proc.stdout)[-2000:]}
-        except subprocess.TimeoutExpired:
-            entry = {"provider": provider, "error": f"timed out after {args.timeout} s"}
+        entry = run_worker(cmd, provider, args.timeout)
         results["providers"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "losses"})[:600], flush=True)
         if out:  # written after every provider, so a later failure keeps the earlier results

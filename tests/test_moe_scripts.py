@@ -134,3 +134,37 @@ def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
     measured["c"] = (by_torch, record(weight_grad=0.25))
     best = tiles.best_per_gemm(measured, INTERPRETER)  # the weight gradients' backend comes with them
     assert best.weight_grad_backend == "grouped_mm" and best.weight_grad == INTERPRETER.weight_grad
+
+
+def test_moe_train_tiny(tmp_path):
+    """End to end, each provider in its own process: transformers' eager loop and llmkernels train
+    the same tiny fp32 Qwen3-MoE from the same weights on the same batches, with the same losses;
+    the JSON has every step's loss, the speed and the speedup over the peers that ran."""
+    result = _run("moe_train.py", str(tmp_path), "--providers", "hf_eager,llmkernels,liger")
+    shape, providers, summary = result["shape"], result["providers"], result["summary"]
+    assert list(providers) == ["hf_eager", "llmkernels", "liger"]
+    for name in ("hf_eager", "llmkernels"):
+        record = providers[name]
+        assert record["status"] == "ok", record
+        assert len(record["losses"]) == shape["warmup"] + shape["steps"]
+        assert record["tokens_per_s"] > 0 and record["step_ms"] > 0 and record["params"] > record["active_params"]
+    assert providers["hf_eager"]["experts_implementation"] == "eager"
+    assert any(p.startswith("Qwen3MoeExperts.forward -> llmkernels.moe_experts") for p in
+               providers["llmkernels"]["patched"]), providers["llmkernels"]["patched"]
+    liger = providers["liger"]
+    assert liger["status"] == "ok" or liger["status"] == "skipped: liger_kernel is not importable here", liger
+    losses = providers["hf_eager"]["losses"]
+    assert len(set(losses)) == len(losses)  # a new batch and new weights each step
+    check = summary["loss_checks"]["llmkernels"]
+    assert summary["loss_reference"] == "hf_eager" and check["steps"] == len(losses)
+    assert check["max_rel_dloss"] < 1e-4 and check["agree"] and summary["losses_agree"]
+    assert summary["best_peer"] in ("hf_eager", "liger") and summary["speedup_vs_best_peer"] > 0
+    assert summary["speedup_vs"]["hf_eager"] == pytest.approx(
+        providers["llmkernels"]["tokens_per_s"] / providers["hf_eager"]["tokens_per_s"])
+
+
+def test_moe_train_spent_budget_skips_every_provider(tmp_path):
+    result = _run("moe_train.py", str(tmp_path), "--budget", "0", "--providers", "hf_eager,llmkernels")
+    assert {name: r["status"] for name, r in result["providers"].items()} == {
+        "hf_eager": "skipped: the run's time budget is spent", "llmkernels": "skipped: the run's time budget is spent"}
+    assert result["summary"]["loss_reference"] is None and "speedup_vs_best_peer" not in result["summary"]

@@ -465,3 +465,18 @@ def test_throughput_per_size_from_the_committed_runs():
     text = "\n".join(markdown._throughput_lines({"throughput": rows}))
     big = [r["mfu"] for r in rows if r["params"] >= 10e6]
     assert "peak = 989.4 TFLOP/s" in text and f"From 10M parameters: MFU {min(big):.1%} to {max(big):.1%}." in text
+
+
+def test_design_study_narrows_a_with_the_compute_range(tmp_path):
+    """benchmarks/scaling_design.py draws sweeps from the committed H200 surface and fits them: a
+    40x compute range gives a narrower interval on a than a 6x one (fixed seeds: deterministic)."""
+    from benchmarks import scaling_design
+
+    out = tmp_path / "design.json"
+    assert scaling_design.main(["--designs", "1e15,6e15,5", "1e15,4e16,8", "--draws", "2", "--resamples", "30",
+                                "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    narrow, wide = result["designs"]
+    assert (narrow["runs"], wide["runs"]) == (35, 56) and 0 < result["noise_sd_log"] < 0.1
+    assert 0 < wide["a3_a_half_width"] < narrow["a3_a_half_width"]
+    assert 0 < wide["a2_a_half_width"] < narrow["a2_a_half_width"]

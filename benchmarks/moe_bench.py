@@ -37,6 +37,7 @@ import llmkernels  # noqa: E402
 from llmkernels import reference_moe  # noqa: E402
 from llmkernels.bench import ops_moe  # noqa: E402
 from llmkernels.bench.registry import Unavailable  # noqa: E402
+from llmkernels.bench.report import write_texts  # noqa: E402
 
 CASES = {"qwen3-8k": {"M": 8192, **ops_moe.QWEN3}, "qwen3-32k": {"M": 32768, **ops_moe.QWEN3},
          "mixtral-8k": {"M": 8192, **ops_moe.MIXTRAL}}
@@ -250,21 +251,12 @@ def main(argv=None) -> int:
 
     def save(name: str, case: dict):
         result["cases"][name] = case
-        write(args.out, {"moe_bench.json": json.dumps(result, indent=2), "moe_bench.md": markdown(result)})
+        write_texts(args.out, {"moe_bench.json": json.dumps(result, indent=2), "moe_bench.md": markdown(result)})
 
     for name in cases:
         save(name, run_case(name, table[name], providers, device, ms, deadline, save))
     print(markdown(result))
     return 0
-
-
-def write(out: str, texts: dict):
-    """``texts`` by file name under ``out``, each replaced whole (a kill mid-write leaves the previous file)."""
-    for file, text in texts.items():
-        path = os.path.join(out, file)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

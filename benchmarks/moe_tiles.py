@@ -52,6 +52,7 @@ import moe_bench  # noqa: E402
 
 import llmkernels  # noqa: E402
 from llmkernels.bench import ops_moe  # noqa: E402
+from llmkernels.bench.report import write_texts  # noqa: E402
 from llmkernels.ops._device import as_record  # noqa: E402
 from llmkernels.ops.moe import experts as launchers  # noqa: E402
 from llmkernels.ops.moe import wgrad  # noqa: E402
@@ -463,7 +464,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(cases):
         def save(case, name=name):
             result["cases"][name] = case
-            moe_bench.write(args.out, {"moe_tiles.json": json.dumps(result, indent=2),
+            write_texts(args.out, {"moe_tiles.json": json.dumps(result, indent=2),
                                        "moe_tiles.md": markdown(result)})
         now = time.time()  # this case's share of what is left
         save(run_case(table[name], [BY_NAME[n] for n in names], device, ms,

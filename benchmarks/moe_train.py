@@ -50,7 +50,9 @@ if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from e2e_train import DTYPES, _dist_version, resolve_device, run_worker, train_steps  # noqa: E402
-from moe_bench import meta, write  # noqa: E402
+from moe_bench import meta  # noqa: E402
+
+from llmkernels.bench.report import write_texts  # noqa: E402
 
 PROVIDERS = ("hf_grouped_mm", "llmkernels", "liger", "hf_eager", "compile")
 PEERS = ("hf_eager", "hf_grouped_mm", "liger")  # the bar: llmkernels against the best of these
@@ -198,7 +200,7 @@ def run_all(args) -> dict:
 
     def save():
         result["summary"] = summarize(result, args.loss_rtol)
-        write(args.out, {"moe_train.json": json.dumps(result, indent=1), "moe_train.md": markdown(result)})
+        write_texts(args.out, {"moe_train.json": json.dumps(result, indent=1), "moe_train.md": markdown(result)})
 
     for provider in args.providers.split(","):
         left = START + args.budget - time.time()

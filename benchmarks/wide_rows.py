@@ -39,6 +39,7 @@ from typing import NamedTuple
 import llmkernels
 from llmkernels.bench.ops_norm import LN_EPS, RMS_EPS
 from llmkernels.bench.registry import Provider, ops
+from llmkernels.bench.report import write_texts
 from llmkernels.bench.runner import OpRunner, Settings, environment, script_device
 from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
@@ -149,12 +150,8 @@ def markdown(header: dict, records: list) -> str:
 
 
 def write(out: str, header: dict, records: list) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "wide_rows.json"), "w") as f:
-        json.dump({"header": header, "records": records}, f, indent=1)
-        f.write("\n")
-    with open(os.path.join(out, "wide_rows.md"), "w") as f:
-        f.write(markdown(header, records))
+    write_texts(out, {"wide_rows.json": json.dumps({"header": header, "records": records}, indent=1) + "\n",
+                      "wide_rows.md": markdown(header, records)})
 
 
 def _parts(text: str) -> list:

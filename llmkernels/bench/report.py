@@ -60,6 +60,17 @@ def summary(records: list, complete: bool = True) -> str:
     return line + ("" if complete else " (interrupted: partial run)")
 
 
+def write_texts(out: str, texts: dict) -> None:
+    """``texts`` by file name under the folder ``out``, each replaced whole through a temporary
+    file: a run killed mid-write (a call's timeout) leaves the previous file, not half of one."""
+    os.makedirs(out, exist_ok=True)
+    for file, text in texts.items():
+        path = os.path.join(out, file)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
 def write_json(path: str, meta: dict, records: list, skipped: list) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta, "skipped": skipped, "records": records}, f, indent=1)

@@ -26,5 +26,4 @@ __all__ = ["DEFAULT_MEMORY", "MEMORY_MODES", "REDUCTIONS", "check_chunk_size", "
            "grads_fake", "grads_needed", "head_loss_ops", "reduced", "reduced_fake", "row_grads",
            "CrossEntropyOutput", "RowLoss", "ce_rows", "count_rows", "finish_loss", "package_output", "row_buffers",
            "scale_rows_", "grad_coefs", "grad_tile", "lse_of", "online_step", "row_lse", "row_online", "gathered",
-           "is_dtensor",
-           "finish_target_check", "start_target_check", "grad_chunk_cols", "vocab_grads", "vocab_loss_op"]
+           "is_dtensor", "finish_target_check", "start_target_check", "grad_chunk_cols", "vocab_grads", "vocab_loss_op"]

@@ -26,6 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _device
+
 # (a [M, S], b [S, N], ends [E] int32) -> [E, M, N]: group e sums rows ends[e - 1] to ends[e].
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("triton", "grouped_mm")
@@ -44,7 +46,7 @@ def available(device: torch.device) -> bool:
     cards take a host-synchronising loop; sm100's kernel has returned nonzero sums for groups
     without rows in some torch versions, which an expert without tokens would then receive."""
     return (device.type == "cuda" and torch.cuda.is_available() and grouped_mm_op() is not None
-            and torch.cuda.get_device_capability(device)[0] == 9)
+            and _device.properties(_device.device_index(device)).major == 9)
 
 
 def _orientation(w: torch.Tensor) -> Optional[bool]:

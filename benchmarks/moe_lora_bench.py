@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,11 +41,30 @@ MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_int
 TINY = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
 WARMUP = 3
+PROFILE_STEPS = 3
 
 
 def batches(steps: int, batch: int, seq: int, vocab: int, device) -> list:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(steps)]
+
+
+def profile(model, data: list, device, path: str) -> None:
+    """Writes the device-time table of a few more steps, to see where a provider's step goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = device.type == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for ids in data[:PROFILE_STEPS]:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                          max_name_column_width=90))
 
 
 def train(model, data: list, device) -> dict:
@@ -84,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--out", default=os.environ.get("OUT") or "moe-lora-bench")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each run, profile a few more steps into moe_lora_profile_<run>.txt")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     tiny = device.type == "cpu"
@@ -97,6 +119,7 @@ def main(argv=None) -> int:
                        "date": date.today().isoformat(), "torch": torch.__version__,
                        "transformers": transformers.__version__, "model": TINY if tiny else MODEL,
                        "batch": batch, "seq": seq, "steps": steps, "rank": RANK, "alpha": ALPHA}, "runs": {}}
+    os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as adapter:
         try:
             import peft
@@ -112,6 +135,8 @@ def main(argv=None) -> int:
                 r=RANK, lora_alpha=ALPHA, target_modules=[], target_parameters=TARGETS))
             model.save_pretrained(adapter)  # PEFT's initialisation, loaded into ours below
             result["runs"]["transformers+peft"] = {"status": "ok", **train(model, data, device)}
+            if args.profile:
+                profile(model, data, device, os.path.join(args.out, "moe_lora_profile_peft.txt"))
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -121,11 +146,13 @@ def main(argv=None) -> int:
             llmkernels.patch(model, **switches)
             llmkernels.load_expert_lora(model, adapter)
             result["runs"][name] = {"status": "ok", **train(model, data, device)}
+            if args.profile:
+                slug = re.sub(r"\W+", "_", name).strip("_")
+                profile(model, data, device, os.path.join(args.out, f"moe_lora_profile_{slug}.txt"))
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             llmkernels.unpatch_all()
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_lora_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Expert LoRA r={RANK}, random-init Qwen3-MoE ({result['meta']['device']}, {result['meta']['date']})",

@@ -14,6 +14,7 @@ import triton.language as tl
 import llmkernels as lk
 from llmkernels import reference
 from llmkernels.ops import _device, _rowsplit
+from llmkernels.ops.norm import launchers
 from llmkernels.ops.norm import (BACKWARD, BWD_PLANS, FORWARD, FWD_PLANS, BwdConfig, FwdConfig, NormConfig, NormKey,
                                  NormOptions, SplitBwdConfig, SplitFwdConfig, backward_config, check_config,
                                  forward_config, norm_fwd)
@@ -38,7 +39,9 @@ def _tol_dtype(*dtypes):
 
 
 def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
+    """A leaf copy of ``t`` with its strides, so that a sliced or transposed input stays one."""
+    leaf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return leaf.copy_(t.detach()).requires_grad_(True)
 
 
 def check_norm(is_rms, x, weight=None, bias=None, residual=None, *, prenorm=False, config=None, **opts):
@@ -321,11 +324,11 @@ def test_split_path_forced(is_rms, dtype, parts, mode, device):
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
-def test_split_forward_wide_row_candidates(is_rms, dtype, parts, tma, lag, device):
+def test_split_forward_wide_row_candidates(is_rms, dtype, parts, tma, lag, device, monkeypatch):
     """The pipelined split forward reading x through a tensor descriptor made on the host (TMA on
     a GPU) and / or writing y two rows behind the row it loads: one part per row (also under the
     interpreter) or four, the last partly masked; more rows than groups in flight, fewer, and one;
-    with and without a residual. With TMA, rows that do not start on 16 bytes are refused."""
+    with and without a residual. With TMA, rows that do not start on 16 bytes are read without it."""
     if parts > 1 and INTERPRETED:
         pytest.skip("a row split over several programs needs them to run concurrently (GPU)")
     n = 232  # 16-byte rows in bf16 and fp32; slices of 64 columns or more (128 bytes in bf16)
@@ -338,9 +341,29 @@ def test_split_forward_wide_row_candidates(is_rms, dtype, parts, tma, lag, devic
     check_norm(is_rms, x[:, :3], torch.randn(n, device=device, dtype=dtype), config=config)
     check_norm(is_rms, x[:1, :1], torch.randn(n, device=device, dtype=dtype), config=config)
     if tma:
-        with pytest.raises(ValueError, match="config .*TMA reads rows that start on 16 bytes"):
-            lk.rms_norm(torch.randn(4, n + 1, device=device, dtype=dtype)[:, :n], torch.randn(n, device=device),
-                        config=config)
+        real, made = launchers.TensorDescriptor, []
+        monkeypatch.setattr(launchers, "TensorDescriptor", lambda *args: made.append(args[0].stride(0)) or real(*args))
+        check_norm(is_rms, torch.randn(4, n + 1, device=device, dtype=dtype)[:, :n],
+                   torch.randn(n, device=device, dtype=dtype), config=config)
+        assert made == []  # a row stride of n + 1 elements is not a multiple of 16 bytes
+        check_norm(is_rms, x[0], torch.randn(n, device=device, dtype=dtype), config=config)
+        assert made and set(made) == {n}
+
+
+def test_split_forward_tuned_tma_read_where_it_cannot_run(monkeypatch, device):
+    """A tuned cache's TMA read (made on another machine) where it cannot run here, a slice short
+    of 128 bytes or a Triton without tensor descriptors, is read without TMA, not refused: only
+    a caller's own config is refused."""
+    w = torch.randn(32, device=device)
+    monkeypatch.setattr(launchers, "forward_config", lambda key, tuned=None: SplitFwdConfig(32, 4, 2, 3, tma=True))
+    FWD_PLANS.clear()
+    try:
+        check_norm(True, torch.randn(4, 32, device=device, dtype=torch.bfloat16) + 2.0, w)  # 64-byte slices
+        monkeypatch.setattr(launchers, "TensorDescriptor", None)
+        check_norm(True, torch.randn(8, 32, device=device) + 2.0, w)
+        assert FWD_PLANS and all(plan.tma_block == 0 for plan in FWD_PLANS.values())
+    finally:
+        FWD_PLANS.clear()
 
 
 def test_split_forward_tma_refuses_slices_short_of_128_bytes(device):

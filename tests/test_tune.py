@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmkernels import cli
-from llmkernels.tune import FAMILIES
+from llmkernels.tune import FAMILIES, spaces
 from llmkernels.ops import _device
 from llmkernels.ops.configs import cross_entropy as ce
 from llmkernels.ops.norm import NormKey, backward_config, forward_config
@@ -76,3 +76,15 @@ def test_unknown_family_and_no_gpu(capsys):
 def test_env_names_the_configuration_source(capsys):
     assert cli.main(["env"]) == 0
     assert "configs       heuristic" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_wide_forward_tries_the_tma_read_early_where_it_runs(tma):
+    """At wide rows the split forward's pipelined twin and its TMA read come right after the
+    heuristic, so that a search cut short by ``--limit 4`` still tries them; the TMA read only
+    where it can run (``tma``)."""
+    tasks = spaces.norm_tasks(_device.REFERENCE, (65536,), ("rmsnorm",), limit=4, tma=tma)
+    (forward,) = [task for task in tasks if task.mode == "fwd"]
+    reads = [getattr(config, "tma", False) for config in forward.candidates]
+    assert any(reads) == tma
+    assert not tma or reads.index(True) <= 2

@@ -92,7 +92,7 @@ def tasks_of(args, model) -> list:
         if "ce" in families else []
     widths = sorted(_ints(args.widths) or tiny.get("widths", spaces.NORM_WIDTHS), reverse=True)
     norm_ops = tuple(args.norm_ops.split(",")) if args.norm_ops else tuple(spaces.NORM_OPS)
-    norm = spaces.norm_tasks(model, widths, norm_ops, rows=tiny.get("norm_rows"), limit=limit) \
+    norm = spaces.norm_tasks(model, widths, norm_ops, rows=tiny.get("norm_rows"), limit=limit, tma=spaces.tma_here()) \
         if "norm" in families else []
     rope = spaces.rope_tasks(model, tiny.get("seq", spaces.ROPE_SEQ), tiny.get("rope_rows"), limit) \
         if "rope" in families else []

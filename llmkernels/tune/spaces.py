@@ -76,10 +76,24 @@ def _fits(config, n: int) -> bool:
     return held <= (128 if isinstance(config, FwdConfig) else 64) * threads and config.block_m * config.block_n <= 65536
 
 
-def _pipelined(config) -> list:
-    """A split forward's pipelined twin (second in line, so that a search cut short still tries it:
-    it measured best at wide rows on an H200, benchmarks/results/split-fwd-h200-2026-11-27/)."""
-    return [dataclasses.replace(config, stages=3)] if isinstance(config, SplitFwdConfig) and not config.stages else []
+def _pipelined(config, tma: bool) -> list:
+    """A split forward's pipelined twin and, where ``tma``, the same reading x through TMA (next
+    in line, so that a search cut short still tries them: they measured best at wide rows on an
+    H200, benchmarks/results/wide-rows-h200-2026-11-28/)."""
+    if not isinstance(config, SplitFwdConfig):
+        return []
+    piped = config if config.stages else dataclasses.replace(config, stages=3)
+    return [piped, dataclasses.replace(piped, tma=True)] if tma else [piped]
+
+
+def tma_here() -> bool:
+    """Whether this machine's norm forward can read x through TMA: a Triton with tensor
+    descriptors, and a Hopper or newer GPU (or Triton's interpreter)."""
+    from ..ops._triton import TensorDescriptor
+
+    if TensorDescriptor is None:
+        return False
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
 
 
 def _norm_neighbours(n: int, backward: bool, split: bool) -> list:
@@ -125,9 +139,10 @@ def wide_row_candidates(n: int, backward: bool) -> dict:
 
 
 def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OPS), dtype=torch.bfloat16,
-               rows: Optional[int] = None, limit: int = 0) -> list:
+               rows: Optional[int] = None, limit: int = 0, tma: bool = False) -> list:
     """The norms' tasks: forward and backward of each op at each width (``rows``: None, the
-    widths' default of NORM_ELEMENTS; ``limit``: at most that many candidates, 0 all)."""
+    widths' default of NORM_ELEMENTS; ``limit``: at most that many candidates, 0 all; ``tma``:
+    the split forward's TMA read among them)."""
     tasks = []
     for op, n, backward in ((op, n, backward) for n in widths for op in ops for backward in (True, False)):
         is_rms, residual = NORM_OPS[op]
@@ -135,7 +150,7 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
         key = NormKey(is_rms, dtype, residual, n, m, model.sms, True, model.depth)
         choose = backward_config if backward else forward_config
         heuristic = choose(key)
-        candidates = _unique([heuristic, *_pipelined(heuristic), *(choose(key._replace(depth=d)) for d in DEPTHS),
+        candidates = _unique([heuristic, *_pipelined(heuristic, tma), *(choose(key._replace(depth=d)) for d in DEPTHS),
                               *_norm_neighbours(n, backward, key.split)])
         candidates = tuple(c for c in candidates if _fits(c, n))[:limit or None]
         public = functools.partial(llmkernels.rms_norm if is_rms else llmkernels.layer_norm,

@@ -10,6 +10,7 @@ plan's kernel handles (``_launch.Launcher``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
@@ -81,12 +82,14 @@ class BwdKey(NamedTuple):
 class FwdPlan(NamedTuple):
     """What one forward launches: ``launch(grid, ...)``; ``slots``: the shape of the split
     kernel's exchange slots (None: the rows kernel); ``tma_block``: x read through a tensor
-    descriptor of ``[1, tma_block]`` blocks, made on the host each call (0: none)."""
+    descriptor of ``[1, tma_block]`` blocks, made on the host each call (0: none), where x's rows
+    start on 16 bytes, else through ``plain``, the same split reading x directly."""
 
     launch: Launcher
     grid: tuple
     slots: Optional[tuple]
     tma_block: int = 0
+    plain: Optional[Launcher] = None
 
 
 class BwdPlan(NamedTuple):
@@ -153,10 +156,14 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
             parts, groups = split
             # (a pipelined kernel publishes the rows past the last into spare slots)
             slots = (m + config.lag * groups if config.stages else m, parts)
-            if config.tma:
-                _check_tma(config, options.x_dtype)
-            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots,
-                           config.block_n if config.tma else 0)
+            if config.tma and key.config is None and not _tma_runs(config, options.x_dtype):
+                config = dataclasses.replace(config, tma=False)  # a tuned cache's TMA read where it cannot run
+            if not config.tma:
+                return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
+            _check_tma(config, options.x_dtype)
+            plain = _fwd_launcher(dataclasses.replace(config, tma=False), n, parts, **switches)
+            return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots, config.block_n,
+                           plain)
         config = forward_config(table_key._replace(split=False), tuned)
     return FwdPlan(_fwd_launcher(config, n, **switches), (cdiv(m, config.block_m),), None)
 
@@ -168,23 +175,22 @@ FWD_PLANS = PlanCache(_forward_plan)
 TMA_SLICE_BYTES = 128
 
 
+def _tma_runs(config: SplitFwdConfig, dtype: torch.dtype) -> bool:
+    return TensorDescriptor is not None and config.block_n * dtype.itemsize % TMA_SLICE_BYTES == 0
+
+
 def _check_tma(config: SplitFwdConfig, dtype: torch.dtype) -> None:
     """Raise ValueError naming ``config`` where its TMA read cannot run on x of ``dtype``."""
     if TensorDescriptor is None:
         raise ValueError(f"config {config}: TMA needs triton.tools.tensor_descriptor (Triton 3.4+)")
-    if config.block_n * dtype.itemsize % TMA_SLICE_BYTES:
+    if not _tma_runs(config, dtype):
         raise ValueError(f"config {config}: a TMA slice of {config.block_n} {dtype} is not a multiple of "
                          f"{TMA_SLICE_BYTES} bytes")
 
 
-def _x_read(x: torch.Tensor, tma_block: int, config: Optional[ForwardConfig]):
-    """What the split kernel reads x through: x's tensor descriptor of ``[1, tma_block]`` blocks
-    (its base and rows on 16 bytes, as TMA needs), or x itself (``tma_block`` 0)."""
-    if not tma_block:
-        return x
-    if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
-        raise ValueError(f"config {config}: TMA reads rows that start on 16 bytes, not x's (stride {x.stride(0)})")
-    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [1, tma_block])
+def _tma_aligned(x: torch.Tensor) -> bool:
+    """Whether x's base and rows start on 16 bytes, as a tensor descriptor needs."""
+    return x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
 
 
 def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -201,16 +207,21 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
     mean = torch.empty(m, dtype=torch.float32, device=dev) if store_stats and not options.is_rms else None
     if m == 0:
         return y, h, mean, rstd
-    handle, grid, slots, tma_block = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None,
-                                                      weight is not None, bias is not None, store_stats, options,
-                                                      config)]
+    handle, grid, slots, tma_block, plain = FWD_PLANS[FwdKey(m, n, x.get_device(), residual is not None,
+                                                             weight is not None, bias is not None, store_stats,
+                                                             options, config)]
     eps, weight_offset = options.eps, options.weight_offset
     if slots is None:
         handle(grid, x, or_stand_in(residual, x), or_stand_in(weight, x), or_stand_in(bias, x), y, or_stand_in(h, y),
                or_stand_in(mean, y), or_stand_in(rstd, y), m, n, options.heads, x.stride(0), row_stride(residual),
                y.stride(0), row_stride(h), eps, weight_offset)
     else:
-        handle(grid, x, _x_read(x, tma_block, config), or_stand_in(residual, x), or_stand_in(weight, x),
+        x_read = x
+        if tma_block and _tma_aligned(x):
+            x_read = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [1, tma_block])
+        elif tma_block:
+            handle = plain
+        handle(grid, x, x_read, or_stand_in(residual, x), or_stand_in(weight, x),
                or_stand_in(bias, x), y, or_stand_in(h, y), or_stand_in(mean, y), or_stand_in(rstd, y),
                torch.zeros(slots, dtype=torch.int64, device=dev), m, n, x.stride(0), row_stride(residual),
                y.stride(0), row_stride(h), eps, weight_offset)

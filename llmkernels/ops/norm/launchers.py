@@ -176,6 +176,7 @@ TMA_SLICE_BYTES = 128
 
 
 def _tma_runs(config: SplitFwdConfig, dtype: torch.dtype) -> bool:
+    """Whether this Triton can read x of ``dtype`` through TMA in ``config``'s slices."""
     return TensorDescriptor is not None and config.block_n * dtype.itemsize % TMA_SLICE_BYTES == 0
 
 

@@ -1,15 +1,21 @@
-"""How wide must an IsoFLOP design be for a given interval on a? Synthetic sweeps drawn from a
-finished sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured seed noise,
-each fitted and bootstrapped by the package's own code (``scaling.intervals``), for each design:
-budgets log-spaced from LO to HI, ``--sizes`` sizes a budget spread ``--spread``x around the
-surface's optimum (as the windows of ``llmkernels scaling`` are), C = 6ND. Prints, and writes as
-JSON, the median 90% half-width of a for approaches 2 and 3 over ``--draws`` sweeps a design.
+"""How wide must an IsoFLOP design be for a given interval on a, and is each approach unbiased on
+a finished sweep's own design? Synthetic sweeps (``scaling.synthetic``) drawn from a finished
+sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured seed noise, fitted
+(and bootstrapped) by the package's own code (``scaling.intervals``).
 
-A surface taken from real runs is smoother than they are (their residuals are not all noise), so
-compare designs with each other, not with a measured half-width.
+- ``--designs``: for each design, budgets log-spaced from LO to HI, ``--sizes`` sizes a budget
+  spread ``--spread``x around the surface's optimum (as the windows of ``llmkernels scaling`` are),
+  C = 6ND; the median 90% half-width of a for approaches 2 and 3 over ``--draws`` sweeps a design.
+  A surface taken from real runs is smoother than they are (their residuals are not all noise), so
+  compare designs with each other, not with a measured half-width.
+- ``--bias DRAWS``: at the report's own runs (sizes, budgets, curve points), their curves placed as
+  measured on them (``synthetic.measured_curves``); the mean and sd of each approach's a less the
+  surface's, on the smooth surface and with each size's mean approach-3 residual of the report
+  added to its runs (the sizes' own departures from the surface, the same at every budget).
 
     python benchmarks/scaling_design.py --designs 1e15,6e15,5 1e15,2e16,7 1e15,4e16,8
     python benchmarks/scaling_design.py --report path/to/report.json --draws 5 --resamples 200
+    python benchmarks/scaling_design.py --bias 100 --designs
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import statistics
 
 import numpy as np
 
-from llmkernels.scaling import intervals
+from llmkernels.scaling import intervals, surface, synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join(ROOT, "benchmarks", "results", "scaling-h200x4-2026-11-28", "seed1", "report.json")
@@ -39,30 +45,13 @@ def surface_of(report: dict) -> tuple[dict, float]:
     return {k: fit[k] for k in ("E", "A", "B", "alpha", "beta")}, float(noise)
 
 
-def draw_sweep(truth: dict, noise: float, lo: float, hi: float, budgets: int, sizes: int, spread: float,
-               rng) -> list[dict]:
-    """One synthetic sweep's runs (the fields the fits read), log-normal noise of sd ``noise``."""
-    e, a, b, al, be = (truth[k] for k in ("E", "A", "B", "alpha", "beta"))
-    g = (al * a / (be * b)) ** (1 / (al + be))
-    runs = []
-    for c in np.logspace(math.log10(lo), math.log10(hi), budgets):
-        n_opt = g * (c / 6) ** (be / (al + be))
-        for k in np.linspace(-0.5, 0.5, sizes):
-            n = n_opt * spread ** k
-            d = c / (6 * n)
-            loss = (e + a * n ** -al + b * d ** -be) * math.exp(rng.normal(0, noise))
-            runs.append({"id": f"sweep-{c:.3g}-{n:.4g}", "stage": "sweep", "budget": float(c), "params": n,
-                         "non_embedding_params": n, "tokens": d, "compute": float(c), "val_loss": loss,
-                         "name": f"N{n:.4g}", "curve": [], "steps": 1, "batch": 1})
-    return runs
-
-
 def study(truth: dict, noise: float, design: tuple, args) -> dict:
     """Median half-widths of a (approaches 2 and 3) over ``args.draws`` sweeps of ``design``."""
     lo, hi, budgets = design
     widths = {"a2_a": [], "a3_a": []}
     for draw in range(args.draws):
-        runs = draw_sweep(truth, noise, lo, hi, budgets, args.sizes, args.spread, np.random.default_rng(args.seed + draw))
+        shape = synthetic.Shape(lo=lo, hi=hi, budgets=budgets, sizes=args.sizes, spread=args.spread, non_embedding=1.0)
+        runs = synthetic.draw(truth, noise, np.random.default_rng(args.seed + draw), shape, synthetic.Curves(fractions=()))
         found = intervals.bootstrap(runs, intervals.fit_all(runs, noise_sd=noise), n=args.resamples, seed=draw,
                                     noise_sd=noise, processes=1)
         for key in widths:
@@ -70,6 +59,30 @@ def study(truth: dict, noise: float, design: tuple, args) -> dict:
                 widths[key].append(found[key]["half_width"])
     return {"lo": lo, "hi": hi, "budgets": budgets, "runs": budgets * args.sizes,
             **{f"{k}_half_width": statistics.median(v) if v else None for k, v in widths.items()}}
+
+
+def bias(report: dict, truth: dict, noise: float, draws: int, seed: int) -> dict:
+    """Each approach's a less the surface's at the report's own runs (see the module docstring):
+    ``{"smooth" | "size offsets": {approach: {"mean", "sd"}}}`` over ``draws`` sweeps."""
+    sweep = [r for r in report["runs"] if r["stage"] == "sweep" and r.get("val_loss") is not None]
+    curves = synthetic.measured_curves(sweep, truth)
+    a3 = surface.approach3(*([r[k] for r in sweep] for k in ("params", "tokens", "val_loss")))
+    residuals = {}
+    for r, v in zip(sweep, a3["residuals"]):
+        residuals.setdefault(r["name"], []).append(v)
+    a_true = synthetic.exponents(truth)[0]
+    out = {"curves": {"excess": curves.excess, "power": curves.power, "offset": curves.offset}}
+    for case, offsets in (("smooth", None), ("size offsets", {k: statistics.fmean(v) for k, v in residuals.items()})):
+        errors = {k: [] for k in ("1", "2", "3")}
+        for draw in range(draws):
+            runs = synthetic.at_runs(truth, noise, np.random.default_rng(seed + draw), sweep, curves, offsets)
+            found = intervals.estimates(intervals.fit_all(runs, noise_sd=noise))
+            for k, v in errors.items():
+                if found[f"a{k}_a"] is not None:
+                    v.append(found[f"a{k}_a"] - a_true)
+        out[case] = {k: {"mean": statistics.fmean(v), "sd": statistics.pstdev(v), "draws": len(v)}
+                     for k, v in errors.items() if v}
+    return out
 
 
 def design_arg(text: str) -> tuple:
@@ -80,8 +93,10 @@ def design_arg(text: str) -> tuple:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", default=REPORT, help="a finished sweep's report.json (default: the H200 seed-1 sweep)")
-    p.add_argument("--designs", nargs="+", type=design_arg, default=[(1e15, 6e15, 5), (1e15, 2e16, 7)],
+    p.add_argument("--designs", nargs="*", type=design_arg, default=[(1e15, 6e15, 5), (1e15, 2e16, 7)],
                    metavar="LO,HI,BUDGETS")
+    p.add_argument("--bias", type=int, default=0, metavar="DRAWS",
+                   help="each approach's bias at the report's own runs over DRAWS sweeps (0: not run)")
     p.add_argument("--sizes", type=int, default=7)
     p.add_argument("--spread", type=float, default=6.0, help="largest over smallest size of a budget")
     p.add_argument("--draws", type=int, default=3)
@@ -90,7 +105,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="JSON of the results")
     args = p.parse_args(argv)
     with open(args.report) as f:
-        truth, noise = surface_of(json.load(f))
+        report = json.load(f)
+    truth, noise = surface_of(report)
+    found = bias(report, truth, noise, args.bias, args.seed) if args.bias else None
+    if found:
+        c = found["curves"]
+        print(f"curves as measured on the report's runs: excess {c['excess']:.4f}, power {c['power']:.2f}, "
+              f"offset {c['offset']:+.4f}", flush=True)
+    for case, errors in (found or {}).items():
+        if case != "curves":
+            print(f"a less the surface's at the report's runs, {case} ({args.bias} draws): " + "; ".join(
+                f"approach {k} {v['mean']:+.3f} (sd {v['sd']:.3f})" for k, v in errors.items()), flush=True)
     rows = []
     for design in args.designs:
         rows.append(study(truth, noise, design, args))
@@ -100,7 +125,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"report": args.report, "truth": truth, "noise_sd_log": noise, "draws": args.draws,
-                       "resamples": args.resamples, "sizes": args.sizes, "spread": args.spread, "designs": rows}, f, indent=1)
+                       "resamples": args.resamples, "sizes": args.sizes, "spread": args.spread, "designs": rows,
+                       "bias": found}, f, indent=1)
     return 0
 
 

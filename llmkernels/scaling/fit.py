@@ -1,10 +1,7 @@
-"""Approaches 1 and 2 and the learning-rate rule (numpy + scipy; no torch). Approach 3 is in
-``surface``, the intervals and checks in ``intervals``.
+"""Approach 2, the power laws and parabolas the approaches share, and the learning-rate rule
+(numpy + scipy; no torch). Approach 1 is in ``envelope``, approach 3 in ``surface``, the intervals
+and checks in ``intervals``.
 
-- Approach 1 (Hoffmann et al. 2022): the lower envelope of every run's held-out loss over training
-  compute, at ``ENVELOPE_POINTS`` computes between the smallest and largest budget; at each the size
-  that reaches it, refined by a parabola in log N through its neighbours' losses there, fitted as
-  ``N_opt ∝ C^a`` (and its tokens as ``D_opt ∝ C^b``).
 - Approach 2: at each budget a parabola of loss in ``log N`` through the sizes around the lowest
   loss, its minimum with a standard error (the delta method on the parabola's coefficients, from
   the larger of its residual scatter and the measured seed noise); ``N_opt(C)`` and ``D_opt(C)``
@@ -30,8 +27,6 @@ PARABOLA_HALF_WIDTH = 3
 # L6-W256 at 2x its best: +0.7) rather than sat on the smooth side of the optimum (within ~0.1).
 UNSTABLE_MARGIN = 0.25
 GAMMA_MAX = 1.0  # the rule's exponent beyond [0, 1] would extrapolate wildly past the sizes swept
-ENVELOPE_POINTS = 250  # approach 1's computes inside the budgets (60 moved a by 0.035)
-ENVELOPE_HALF_WIDTH = 3  # approach 1's parabola at a compute: the lowest size and three each side (as approach 2)
 
 
 def _fit_quality(y, pred, n_params: int) -> dict:
@@ -154,101 +149,6 @@ def approach2(runs: list[dict], noise_sd: float | None = None) -> dict:
     return {"optima": optima, "budgets_used": len(good), "a": fit_n["exponent"], "b": fit_d["exponent"],
             "a_se": fit_n["exponent_se"], "b_se": fit_d["exponent_se"], "a_non_embedding": fit_ne["exponent"],
             "fit_n": fit_n, "fit_d": fit_d}
-
-
-# --------------------------------------------------------------------------------------------
-# approach 1
-# --------------------------------------------------------------------------------------------
-def _curves(runs: list[dict]) -> list[tuple]:
-    """Each run's held-out curve with its final point: ``(run, log compute, loss, log tokens)``."""
-    curves = []
-    for r in (r for r in runs if r.get("val_loss") is not None):
-        pts = sorted({(c["compute"], c["val_loss"], c["tokens"]) for c in r.get("curve", [])} |
-                     {(r["compute"], r["val_loss"], r["tokens"])})
-        if len(pts) >= 2:
-            curves.append((r, np.log([p[0] for p in pts]), np.array([p[1] for p in pts]),
-                           np.log([p[2] for p in pts])))
-    return curves
-
-
-def _at(curves: list[tuple], grid) -> np.ndarray:
-    """Each curve's loss interpolated at the log computes ``grid`` (inf outside the curve)."""
-    losses = np.full((len(curves), len(grid)), np.inf)
-    for i, (_, cs, ls, _) in enumerate(curves):
-        inside = (grid >= cs[0]) & (grid <= cs[-1])
-        losses[i, inside] = np.interp(grid[inside], cs, ls)
-    return losses
-
-
-def frontier(runs: list[dict], points: int = 60, between: tuple | None = None) -> list[dict]:
-    """Lower envelope of the held-out curves (each with its final point) over training compute:
-    at each of ``points`` log-spaced computes (over every curve, or ``between`` two computes), the
-    lowest interpolated loss any run reaches there (``size``: which). ``best`` is the running
-    minimum over compute, the monotone frontier (a larger budget can always stop early)."""
-    curves = _curves(runs)
-    if not curves:
-        return []
-    lo, hi = (min(c[1][0] for c in curves), max(c[1][-1] for c in curves)) if between is None else np.log(between)
-    grid = np.linspace(lo, hi, points)
-    losses = _at(curves, grid)
-    winner = losses.argmin(0)
-    out, best = [], math.inf
-    for j, lc in enumerate(grid):
-        loss = float(losses[winner[j], j])
-        if not math.isfinite(loss):
-            continue
-        r, cs, _, lt = curves[winner[j]]
-        best = min(best, loss)
-        out.append({"compute": float(math.exp(lc)), "val_loss": loss, "best": best, "size": r["name"],
-                    "params": r["params"], "tokens": float(math.exp(np.interp(lc, cs, lt)))})
-    return out
-
-
-def envelope_optima(runs: list[dict], points: int = ENVELOPE_POINTS) -> list[dict]:
-    """Approach 1's optimum at each of ``points`` computes from the smallest to the largest budget:
-    each size's lowest interpolated loss there (over its runs), then the parabola in log N through
-    the lowest and up to ``ENVELOPE_HALF_WIDTH`` sizes each side; its minimum where it has one
-    inside them, else the lowest size. With one seed a size's neighbours lie within the noise of
-    it near the optimum, so the lowest size alone jumps between them from compute to compute."""
-    curves = _curves(runs)
-    cs = [r["budget"] for r in runs if r.get("val_loss") is not None]
-    if not curves:
-        return []
-    grid = np.linspace(math.log(min(cs)), math.log(max(cs)), points)
-    losses = _at(curves, grid)
-    sizes = sorted({c[0]["params"] for c in curves})
-    rows = [[i for i, c in enumerate(curves) if c[0]["params"] == n] for n in sizes]
-    out = []
-    for j, lc in enumerate(grid):
-        best = [(math.log(n), min(rs, key=lambda i: losses[i, j])) for n, rs in zip(sizes, rows)]
-        best = [(ln, i, float(losses[i, j])) for ln, i in best if math.isfinite(losses[i, j])]
-        if not best:
-            continue
-        k = min(range(len(best)), key=lambda m: best[m][2])
-        near = best[max(0, k - ENVELOPE_HALF_WIDTH): k + ENVELOPE_HALF_WIDTH + 1]
-        ln, lt = [v[0] for v in near], [float(np.interp(lc, curves[v[1]][1], curves[v[1]][3])) for v in near]
-        par = parabola_min(np.array(ln), [v[2] for v in near]) if len(near) >= 3 else {"ok": False}
-        x = par["x_min"] if par["ok"] and par["inside"] else best[k][0]
-        out.append({"compute": float(math.exp(lc)), "params": float(math.exp(x)), "tokens": float(math.exp(np.interp(x, ln, lt))),
-                    "size": curves[best[k][1]][0]["name"], "smoothed": bool(par["ok"] and par["inside"])})
-    return out
-
-
-def approach1(runs: list[dict], points: int = ENVELOPE_POINTS) -> dict:
-    """Approach 1 over ``points`` envelope computes from the smallest to the largest budget
-    (``envelope_optima``): ``N_opt ∝ C^a`` and ``D_opt ∝ C^b`` from the optimum's size (and its
-    tokens) at each. Needs at least three distinct sizes lowest somewhere."""
-    pts = envelope_optima(runs, points)
-    sizes = {p["size"] for p in pts}
-    out = {"points": len(pts), "sizes_on_envelope": len(sizes), "smoothed": sum(p["smoothed"] for p in pts),
-           "a": None, "b": None, "fit_n": None, "fit_d": None}
-    if len(sizes) < 3:
-        out["warning"] = f"only {len(sizes)} size(s) reach the envelope: approach 1 not identifiable"
-        return out
-    fit_n = power_law([p["compute"] for p in pts], [p["params"] for p in pts])
-    fit_d = power_law([p["compute"] for p in pts], [p["tokens"] for p in pts])
-    out.update(a=fit_n["exponent"], b=fit_d["exponent"], fit_n=fit_n, fit_d=fit_d)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """How far to trust the fits: one estimator for every quoted number, its bootstrap interval and the
 extrapolation check (numpy + scipy; no torch).
 
-- Estimator: ``fit_all`` runs approaches 1-3 over a set of runs and ``estimates`` reads the quoted
-  numbers off them (approaches 1-3's ``a`` and ``b``; approach 3's ``E``, ``alpha``, ``beta``),
-  with the rules that decide whether a number exists (approach 2 needs ``MIN_BUDGETS`` budgets
-  with a minimum inside their sizes). The point estimate is ``estimates(fit_all(runs))``; each
+- Estimator: ``fit_all`` runs approaches 1-3 over a set of runs (approach 1 with approach 3's
+  beta) and ``estimates`` reads the quoted numbers off them (approaches 1-3's ``a`` and ``b``;
+  approach 3's ``E``, ``alpha``, ``beta``), with the rules that decide whether a number exists
+  (approach 2 needs ``MIN_BUDGETS`` budgets with a minimum inside their sizes). The point estimate is ``estimates(fit_all(runs))``; each
   bootstrap sample is the same function of a resample (runs drawn with replacement within each
   budget), fitted in parallel processes.
 - Interval (``LEVEL``, 90%): the bootstrap samples' spread about their median, placed at the point,
@@ -28,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from . import fit
+from . import envelope, fit
 from .surface import GRID_KEEP, approach3, predict3
 
 LEVEL = 0.90
@@ -47,9 +47,11 @@ def _a3(runs: list[dict], starts=None, keep: int = GRID_KEEP) -> dict:
 
 
 def fit_all(runs: list[dict], noise_sd: float | None = None, starts=None, keep: int = GRID_KEEP) -> dict:
-    """Approaches 1, 2 and 3 over ``runs`` (approach 2's minima with ``noise_sd`` as their scatter floor)."""
-    return {"approach1": fit.approach1(runs), "approach2": fit.approach2(runs, noise_sd),
-            "approach3": _a3(runs, starts, keep) if len(runs) >= 5 else {"ok": False, "warning": f"{len(runs)} runs"}}
+    """Approaches 1, 2 and 3 over ``runs`` (approach 2's minima with ``noise_sd`` as their scatter
+    floor; approach 1 interpolating between schedule lengths with approach 3's beta)."""
+    a3 = _a3(runs, starts, keep) if len(runs) >= 5 else {"ok": False, "warning": f"{len(runs)} runs"}
+    return {"approach1": envelope.approach1(runs, a3.get("beta") if a3.get("ok") else None),
+            "approach2": fit.approach2(runs, noise_sd), "approach3": a3}
 
 
 def estimates(fits: dict) -> dict:

@@ -134,10 +134,14 @@ def _fits_lines(an: dict) -> list[str]:
              f"Each interval: the bootstrap's spread about its median, placed at the point (`intervals`); bias: "
              f"the bootstrap median minus the point.", "",
              f"| approach | a | {level} | bias | b | {level} | bias |", "| --- | --- | --- | --- | --- | --- | --- |",
-             f"| 1: envelope of training curves ({a1['points']} points) | {cells('a1_a', a1['a'])} | {cells('a1_b', a1['b'])} |",
+             f"| 1: envelope of finished schedules ({a1['points']} computes) | {cells('a1_a', a1['a'])} "
+             f"| {cells('a1_b', a1['b'])} |",
              f"| 2: IsoFLOP parabolas, weighted ({a2['budgets_used']} budgets) | {cells('a2_a', an['estimates']['a2_a'])} "
              f"| {cells('a2_b', an['estimates']['a2_b'])} |",
              f"| 3: L(N, D), every run | {cells('a3_a', a3.get('a'))} | {cells('a3_b', a3.get('b'))} |", "",
+             f"Approach 1 compares final losses only (a curve point mid-schedule has not annealed): "
+             f"{a1['several']} of the {a1['sizes']} sizes ran at more than one budget, and between two budgets a "
+             f"size's loss is interpolated along D^-beta (beta {num(a1['beta'])}, approach 3's; `envelope`).", "",
              f"Approach 2 with non-embedding N: a = {num(a2['a_non_embedding'])}. Per budget, the parabola's minimum "
              "(N, ± s.e. in log N): " + "; ".join(f"{o['budget']:.3g}: {num(o['n_opt'], ',.0f')} ± {num(o['x_se'])}"
                                                    for o in a2["optima"] if o["ok"]) + ".", ""]

@@ -15,7 +15,7 @@ import math
 import statistics
 from pathlib import Path
 
-from . import fit, gate, intervals, surface
+from . import envelope, fit, gate, intervals, surface
 from .figures import plots
 from .markdown import markdown
 
@@ -143,7 +143,7 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int) 
         "diverged": [r["id"] for r in results if r not in valid], "estimates": points, "intervals": ivals,
         "gate": gate_, "headline": headline(ivals, points, gate_, extrapolation),
         "e_profile": surface.profile_e(*cols, a3), "loss_law": fit.optimal_loss_law(fits["approach2"]["optima"]),
-        "frontier": fit.frontier(sweep), "extrapolation": extrapolation, "lr_rule": lr_rule,
+        "frontier": envelope.frontier(sweep), "extrapolation": extrapolation, "lr_rule": lr_rule,
         "seed_spread": seed_spread, "batch_check": batch, "backend_check": _spread(_pairs(sweep, stage["backend"])),
         "design": design_summary(results, sweep), "throughput": throughput(results),
         "smallest_vs_bigram": None if bigram is None or not sweep else min(bigram - r["val_loss"] for r in sweep),

@@ -423,6 +423,21 @@ def test_workers_share_the_runs_and_give_one_process_results(tmp_path):
     assert rep["info"]["workers"] == 3 and "3 training process(es)" in (tmp_path / "three" / "report.md").read_text()
 
 
+def test_runs_at_once_in_a_process_give_one_run_at_a_time_results(tmp_path):
+    """Two runs at once in one training process (threads; on a GPU each on its own stream): the
+    same plan and every loss, bit for bit, as one run at a time; both threads trained."""
+    assert sweep.main(["--out", str(tmp_path / "one"), *MINI]) == 0
+    assert sweep.main(["--out", str(tmp_path / "two"), "--runs-per-device", "2", *MINI]) == 0
+    one, two = _runs(tmp_path / "one"), _runs(tmp_path / "two")
+    assert one.keys() == two.keys() and len(one) == MINI_RUNS
+    assert [one[k]["val_loss"] for k in one] == [two[k]["val_loss"] for k in one]
+    assert len({r["process"] for r in two.values()}) == 1 and len({r["slot"] for r in two.values()}) == 2
+    rep = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert rep["info"]["runs_per_device"] == 2 and "2 runs at once in each" in (tmp_path / "two" / "report.md").read_text()
+    with pytest.raises(SystemExit, match="--runs-per-device must be >= 1"):
+        sweep.main(["--out", str(tmp_path / "bad"), "--runs-per-device", "0", *MINI])
+
+
 def test_archive_is_packed_after_every_finished_run(tmp_path, monkeypatch):
     """--archive is rewritten after each run that finishes, so a call killed at any moment (SIGKILL:
     no ``finally``) loses only the runs in flight."""

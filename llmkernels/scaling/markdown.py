@@ -299,6 +299,7 @@ def markdown(info: dict, an: dict, results: list[dict], meta: dict) -> str:
              f"Command: `{info['command']}`  ",
              f"Written with torch {info['torch']}, triton {info['triton']}, Python {info['python']}; "
              f"{info.get('workers', 1)} training process(es)"
+             + (f", {info['runs_per_device']} runs at once in each" if info.get("runs_per_device", 1) > 1 else "")
              + (f", {info['wall_seconds'] / 60:.1f} min wall-clock in this invocation" if info.get("wall_seconds") else "")
              + ".", ""]
     lines += _result_lines(an) + _gate_lines(an) + _design_lines(an) + _data_lines(an, meta) + _lr_lines(an)

@@ -58,6 +58,8 @@ def devices_for(args) -> tuple[bool, list[str]]:
         raise SystemExit("--device cuda: no GPU is available")
     if args.workers is not None and args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    if args.runs_per_device < 1:
+        raise SystemExit(f"--runs-per-device must be >= 1, got {args.runs_per_device}")
     if not cuda:
         return False, ["cpu"] * (args.workers or 1)
     count = torch.cuda.device_count()
@@ -101,17 +103,19 @@ class Session:
         raise SystemExit(f"--fit-only: no finished run with its data/<fingerprint>/meta.json under {self.out}")
 
     def start_trainer(self):
-        """The training processes: the parent itself with one device, else one spawned per device
-        (each starts its device now and loads the tokens with its first run)."""
+        """The training processes: the parent itself with one device and one run at a time, else
+        one spawned per device (each starts its device now and loads the tokens with its first run)."""
         a = self.args
-        many = len(self.devices) > 1
+        many = len(self.devices) > 1 or a.runs_per_device > 1
         setup = Setup(seq_len=a.seq_len, eval_tokens=a.eval_tokens,
                       curve_eval_tokens=a.curve_eval_tokens, dtype=self.dtype_name,
                       deterministic=self.cuda and not a.nondeterministic, capture=not a.no_graph,
                       ckpt_interval=a.ckpt_interval, progress=not (a.no_progress or many),
-                      threads=max(1, torch.get_num_threads() // len(self.devices)) if many else None)
+                      threads=max(1, torch.get_num_threads() // len(self.devices)) if many else None,
+                      runs_per_device=a.runs_per_device)
         self.trainer = Pool(setup, self.devices, self.log) if many else Local(setup, self.devices[0], self.log)
-        self.log(f"training on {', '.join(self.devices)}" + (" (one process each)" if many else ""))
+        at_once = f", {a.runs_per_device} runs at once in each" if a.runs_per_device > 1 else ""
+        self.log(f"training on {', '.join(self.devices)}" + (f" (one process each{at_once})" if many else ""))
 
     def train_config(self, run) -> TrainConfig:
         a, hp = self.args, self.hp
@@ -298,7 +302,8 @@ class Session:
         info = {"device": device_name, "date": dt.date.today().isoformat(),
                 "command": "llmkernels scaling " + " ".join(sys.argv[1:] if self.argv is None else self.argv),
                 "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
-                "workers": len(self.devices), "wall_seconds": time.time() - self.t_start,
+                "workers": len(self.devices), "runs_per_device": self.args.runs_per_device,
+                "wall_seconds": time.time() - self.t_start,
                 "captured": sorted({r["captured"] for r in results}),
                 "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}

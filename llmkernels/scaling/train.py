@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -134,7 +135,7 @@ class Stepper:
     """One run's training step and the state it mutates, captured in a CUDA graph on GPU."""
 
     def __init__(self, model: GPT, cfg: TrainConfig, train_tokens: torch.Tensor, *, device: torch.device,
-                 amp, capture: bool):
+                 amp, capture: bool, beside_others: bool = False):
         self.model, self.cfg, self.amp, self.device = model, cfg, amp, device
         seq = model.cfg.seq_len
         if train_tokens.numel() <= seq + 1:
@@ -158,7 +159,11 @@ class Stepper:
         self._warm_up()
         if capture and device.type == "cuda":
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # Beside other threads' runs: a capture stream of its own (the default one is shared by
+            # every capture of the process), and their launches meanwhile are no error of this one.
+            alone = {} if not beside_others else {"stream": torch.cuda.Stream(device),
+                                                   "capture_error_mode": "thread_local"}
+            with torch.cuda.graph(self.graph, **alone):
                 self._step()
 
     def _step(self):
@@ -220,6 +225,9 @@ class Stepper:
         self.loss_sum.zero_()
 
 
+_INIT_LOCK = threading.Lock()
+
+
 def _save(obj, path: str):
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
@@ -228,17 +236,18 @@ def _save(obj, path: str):
 
 def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, val_windows: dict, *,
               backend: str, device: torch.device, dtype: torch.dtype, key: dict, capture: bool = True,
-              ckpt_path: str | None = None, ckpt_interval: float = 300.0, deadline: float | None = None,
+              beside_others: bool = False, ckpt_path: str | None = None, ckpt_interval: float = 300.0, deadline: float | None = None,
               progress: bool = True, position: int = 0, desc: str = "", log=print) -> dict:
     """Train one model from scratch, or from its checkpoint when one with the same ``key`` exists,
     and return its results. ``val_windows``: ``{"final": [n, T+1], "curve": [m, T+1]}`` held-out
     windows on ``device``. ``deadline`` (``time.perf_counter()`` value): past it, checkpoint and
-    raise ``TimeUp``."""
+    raise ``TimeUp``. ``beside_others``: other threads of this process train runs at the same time."""
     wall0 = time.perf_counter()
-    torch.manual_seed(run_seed(cfg.seed, mcfg.name, "init"))
-    model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32).to(device)
+    with _INIT_LOCK:  # the global generator: one run's initialisation at a time in a process
+        torch.manual_seed(run_seed(cfg.seed, mcfg.name, "init"))
+        model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32).to(device)
     amp = autocast_for(device, dtype)
-    stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture)
+    stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture, beside_others=beside_others)
     setup_seconds = time.perf_counter() - wall0
 
     start, history, curve, train_seconds = 0, [], [], 0.0

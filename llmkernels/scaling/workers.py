@@ -13,9 +13,10 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 import traceback
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Setup:
     ckpt_interval: float
     progress: bool
     threads: int | None = None  # CPU threads of each process (None: torch's default)
+    runs_per_device: int = 1  # runs a process trains at once, each in a thread with its own CUDA stream
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def start_device(setup: Setup, device: str) -> dict:
         torch.set_num_threads(setup.threads)
     set_deterministic(setup.deterministic and dev.type == "cuda")  # before the first matrix product
     torch.zeros(1, device=dev)
-    return {"setup": setup, "device": dev, "dtype": getattr(torch, setup.dtype), "data_dir": None}
+    return {"setup": setup, "device": dev, "dtype": getattr(torch, setup.dtype), "data_dir": None,
+            "data_lock": threading.Lock()}
 
 
 def with_data(state: dict, data_dir: str) -> dict:
@@ -105,12 +108,14 @@ def run_task(state: dict, task: Task, position: int = 0, log=print) -> dict:
     run, setup, out = task.run, state["setup"], {"id": task.run.id, "run": task.run}
     if task.deadline is not None and task.predicted is not None and time.time() + task.predicted > task.deadline:
         return {**out, "status": "skipped"}
-    state = with_data(state, task.data_dir)
+    with state["data_lock"]:  # (the runs trained at once in a process load the tokens once)
+        state = with_data(state, task.data_dir)
     path = Path(task.runs_dir) / f"{run.id}.json"
     deadline = None if task.deadline is None else time.perf_counter() + (task.deadline - time.time())
     try:
         result = train_run(run.model, task.train, state["train"], state["windows"], backend=run.backend,
                            device=state["device"], dtype=state["dtype"], key=task.key, capture=setup.capture,
+                           beside_others=setup.runs_per_device > 1,
                            ckpt_path=task.ckpt_path, ckpt_interval=setup.ckpt_interval, deadline=deadline,
                            progress=setup.progress, position=position, desc=run.id, log=log)
     except TimeUp as exc:
@@ -122,7 +127,8 @@ def run_task(state: dict, task: Task, position: int = 0, log=print) -> dict:
         error = f"{type(exc).__name__}: {exc}"
         write_json(Path(task.runs_dir) / f"{run.id}.failed.json", {"run": run.id, "error": error})
         return {**out, "status": "failed", "error": error}
-    write_json(path, {**result, **task.tags, "process": os.getpid()})  # before the parent hears of it
+    # (written before the parent hears of it)
+    write_json(path, {**result, **task.tags, "process": os.getpid(), "slot": position})
     return {**out, "status": "done", "result": result}
 
 
@@ -159,25 +165,54 @@ def _die_with_parent():
 
 
 def _serve(index: int, setup: Setup, device: str, tasks, results):
-    """A training process: start ``device``, then train each task it is given."""
+    """A training process: start ``device``, then train each task it is given, ``runs_per_device``
+    at once (each in a thread of its own, on its own CUDA stream)."""
     _die_with_parent()
     try:
         state = start_device(setup, device)
     except Exception:  # noqa: BLE001 - any failure to start is reported, not raised in a child
         results.put(("dead", index, traceback.format_exc()))
         return
+    if setup.runs_per_device == 1:
+        _train_tasks(index, index, state, tasks, results)
+        return
+    slots = [threading.Thread(target=_train_tasks_on_a_stream, args=(index, index * setup.runs_per_device + slot,
+                                                                      state, tasks, results), daemon=True)
+             for slot in range(setup.runs_per_device)]
+    for thread in slots:
+        thread.start()
+    for thread in slots:
+        thread.join()
+
+
+def _train_tasks(index: int, position: int, state: dict, tasks, results):
+    """Train the tasks of the queue until its end marker, telling the parent each start and end."""
+    device = state["device"]
     while (task := tasks.get()) is not None:
         results.put(("start", index, task.run.id))
         try:
-            outcome = run_task(state, task, position=index, log=lambda msg: print(f"[{device}] {msg}", flush=True))
+            outcome = run_task(state, task, position=position, log=lambda msg: print(f"[{device}] {msg}", flush=True))
         except Exception:  # noqa: BLE001 - a run's crash fails that run, not the process
             outcome = {"id": task.run.id, "run": task.run, "status": "failed", "error": traceback.format_exc()}
         results.put(("done", index, outcome))
 
 
+def _train_tasks_on_a_stream(index: int, position: int, state: dict, tasks, results):
+    """``_train_tasks`` in a thread: the process's device (current per thread) and a CUDA stream of
+    its own, so that its runs' kernels may overlap those of the process's other threads."""
+    device = state["device"]
+    if device.type != "cuda":
+        _train_tasks(index, position, state, tasks, results)
+        return
+    torch.cuda.set_device(device)
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        _train_tasks(index, position, state, tasks, results)
+
+
 class Pool:
-    """One spawned training process per entry of ``devices`` (``"cuda:0"``, ``"cpu"``, ...); a run is
-    handed out only when a process is free, so that ``stop`` drops exactly the runs not started."""
+    """One spawned training process per entry of ``devices`` (``"cuda:0"``, ``"cpu"``, ...), each
+    training ``runs_per_device`` runs at once; a run is handed out only when a process has room for
+    it, so that ``stop`` drops exactly the runs not started."""
 
     def __init__(self, setup: Setup, devices: list[str], log=print):
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
@@ -187,11 +222,13 @@ class Pool:
                                   name=f"llmkernels-scaling-{i}") for i, d in enumerate(self.devices)]
         for p in self.procs:
             p.start()
-        self.dead, self.holding, self.pending = set(), {}, deque()
+        self.at_once = setup.runs_per_device
+        self.dead, self.holding, self.pending = set(), defaultdict(set), deque()
 
     @property
     def workers(self) -> int:
-        return len(self.procs) - len(self.dead)
+        """Runs the live processes can train at once."""
+        return (len(self.procs) - len(self.dead)) * self.at_once
 
     def _next(self):
         while True:
@@ -213,16 +250,15 @@ class Pool:
                 return
             kind, index, payload = self._next()
             if kind == "start":
-                self.holding[index] = payload
+                self.holding[index].add(payload)
             elif kind == "done":
-                self.holding.pop(index, None)
+                self.holding[index].discard(payload["id"])
                 outstanding -= 1
                 yield payload
             else:
                 self.dead.add(index)
                 self.log(f"training process {index} ({self.devices[index]}) died: {payload}")
-                lost = self.holding.pop(index, None)
-                if lost is not None:
+                for lost in sorted(self.holding.pop(index, ())):
                     outstanding -= 1
                     yield {"id": lost, "run": None, "status": "failed", "error": f"its process died: {payload}"}
 
@@ -231,7 +267,7 @@ class Pool:
 
     def close(self, abort: bool = False):
         """Let each process finish its run and exit (``abort``: end them now)."""
-        for _ in self.procs:
+        for _ in range(len(self.procs) * self.at_once):  # an end marker for every thread
             self.tasks.put(None)
         for p in self.procs:
             if abort:

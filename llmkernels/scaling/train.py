@@ -236,8 +236,9 @@ def _save(obj, path: str):
 
 def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, val_windows: dict, *,
               backend: str, device: torch.device, dtype: torch.dtype, key: dict, capture: bool = True,
-              beside_others: bool = False, ckpt_path: str | None = None, ckpt_interval: float = 300.0, deadline: float | None = None,
-              progress: bool = True, position: int = 0, desc: str = "", log=print) -> dict:
+              beside_others: bool = False, ckpt_path: str | None = None, ckpt_interval: float = 300.0,
+              deadline: float | None = None, progress: bool = True, position: int = 0, desc: str = "",
+              log=print) -> dict:
     """Train one model from scratch, or from its checkpoint when one with the same ``key`` exists,
     and return its results. ``val_windows``: ``{"final": [n, T+1], "curve": [m, T+1]}`` held-out
     windows on ``device``. ``deadline`` (``time.perf_counter()`` value): past it, checkpoint and

@@ -119,12 +119,17 @@ def approach3(n, d, loss, starts=None, keep: int = GRID_KEEP) -> dict:
            "residual_rms": float(np.sqrt(np.mean((pred - ll) ** 2))), **_quality(ll, pred, 5),
            "at_bound": [k for k, v, (lo, hi) in zip(("log A", "log B", "log E", "alpha", "beta"), res.x, BOUNDS)
                         if min(v - lo, hi - v) < 1e-6]}
-    if alpha > 0 and beta > 0:
-        out.update(a=beta / (alpha + beta), b=alpha / (alpha + beta),
-                   G=(alpha * out["A"] / (beta * out["B"])) ** (1.0 / (alpha + beta)))
-    else:
-        out.update(a=None, b=None, G=None)
-    return out
+    return {**out, **optimum(out)}
+
+
+def optimum(fit: dict) -> dict:
+    """The compute-optimal allocation of a surface ``E, A, B, alpha, beta``: ``N_opt = G·(C/6)^a``
+    and ``D_opt ∝ C^b`` (all None unless alpha and beta are positive)."""
+    alpha, beta = fit["alpha"], fit["beta"]
+    if not (alpha > 0 and beta > 0):
+        return {"a": None, "b": None, "G": None}
+    return {"a": beta / (alpha + beta), "b": alpha / (alpha + beta),
+            "G": (alpha * fit["A"] / (beta * fit["B"])) ** (1.0 / (alpha + beta))}
 
 
 def predict3(fit: dict, n, d):

@@ -1,5 +1,6 @@
-"""Synthetic IsoFLOP sweeps of known exponents (numpy; no torch): the fits' tests and the design
-study (``benchmarks/scaling_design.py``) draw their runs here.
+"""Synthetic IsoFLOP sweeps of known exponents (numpy, with ``surface``'s law and optimum; no
+torch): the fits' tests and the design study (``benchmarks/scaling_design.py``) draw their runs
+here.
 
 A run's held-out loss is ``L(N, D) = E + A/N^alpha + B/D^beta`` (C = 6ND) times log-normal noise of
 sd ``noise``, one draw a run (its curve shares it, as a trained model's quality would). ``draw``
@@ -21,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import surface
 
 TRUTH_KEYS = ("E", "A", "B", "alpha", "beta")
 
@@ -90,28 +93,27 @@ def measured_curves(runs: list[dict], truth: dict) -> Curves:
                   excess=float(level / np.mean(w)), power=float(slope / level), offset=offset)
 
 
-def _truth(truth: dict) -> tuple:
+def _truth(truth: dict) -> dict:
     missing = [k for k in TRUTH_KEYS if k not in truth]
     if missing:
         raise ValueError(f"truth lacks {', '.join(missing)} (needs {', '.join(TRUTH_KEYS)})")
-    return tuple(float(truth[k]) for k in TRUTH_KEYS)
+    return {k: float(truth[k]) for k in TRUTH_KEYS}
 
 
 def exponents(truth: dict) -> tuple[float, float]:
     """The surface's ``(a, b)``: ``N_opt ∝ C^a``, ``D_opt ∝ C^b``."""
-    _, _, _, al, be = _truth(truth)
-    return be / (al + be), al / (al + be)
+    best = surface.optimum(_truth(truth))
+    return best["a"], best["b"]
 
 
 def loss(truth: dict, n, d):
-    e, a, b, al, be = _truth(truth)
-    return e + a * np.asarray(n, float) ** -al + b * np.asarray(d, float) ** -be
+    return surface.predict3(_truth(truth), n, d)
 
 
 def optimal_params(truth: dict, compute: float) -> float:
     """``N_opt(C)`` of the surface at C = 6ND."""
-    _, a, b, al, be = _truth(truth)
-    return (al * a / (be * b)) ** (1 / (al + be)) * (compute / 6) ** (be / (al + be))
+    best = surface.optimum(_truth(truth))
+    return best["G"] * (compute / 6) ** best["a"]
 
 
 def _sizes(truth: dict, compute: float, shape: Shape) -> list[float]:

@@ -93,7 +93,7 @@ def tma_here() -> bool:
 
     if TensorDescriptor is None:
         return False
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
+    return not torch.cuda.is_available() or _device.properties(torch.cuda.current_device()).major >= 9
 
 
 def _norm_neighbours(n: int, backward: bool, split: bool) -> list:

@@ -78,12 +78,14 @@ def test_env_names_the_configuration_source(capsys):
     assert "configs       heuristic" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("width", [32768, 65536])
 @pytest.mark.parametrize("tma", [True, False])
-def test_wide_forward_tries_the_tma_read_early_where_it_runs(tma):
+def test_wide_forward_tries_the_tma_read_early_where_it_runs(tma, width):
     """At wide rows the split forward's pipelined twin and its TMA read come right after the
-    heuristic, so that a search cut short by ``--limit 4`` still tries them; the TMA read only
-    where it can run (``tma``)."""
-    tasks = spaces.norm_tasks(_device.REFERENCE, (65536,), ("rmsnorm",), limit=4, tma=tma)
+    heuristic, so that a search cut short by ``--limit 4`` still tries them, also where the
+    heuristic reads the row in one pass (32768 on the reference model); the TMA read only where it
+    can run (``tma``)."""
+    tasks = spaces.norm_tasks(_device.REFERENCE, (width,), ("rmsnorm",), limit=4, tma=tma)
     (forward,) = [task for task in tasks if task.mode == "fwd"]
     reads = [getattr(config, "tma", False) for config in forward.candidates]
     assert any(reads) == tma

@@ -77,7 +77,7 @@ def _fits(config, n: int) -> bool:
 
 
 def _pipelined(config, tma: bool) -> list:
-    """A split forward's pipelined twin and, where ``tma``, the same reading x through TMA (next
+    """A split forward's (None: none) pipelined twin and, where ``tma``, the same reading x through TMA (next
     in line, so that a search cut short still tries them: they measured best at wide rows on an
     H200, benchmarks/results/wide-rows-h200-2026-11-28/)."""
     if not isinstance(config, SplitFwdConfig):
@@ -150,8 +150,12 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
         key = NormKey(is_rms, dtype, residual, n, m, model.sms, True, model.depth)
         choose = backward_config if backward else forward_config
         heuristic = choose(key)
-        candidates = _unique([heuristic, *_pipelined(heuristic, tma), *(choose(key._replace(depth=d)) for d in DEPTHS),
-                              *_norm_neighbours(n, backward, key.split)])
+        near = _norm_neighbours(n, backward, key.split)
+        # the pipelined and TMA twins of the first split: the heuristic's, or a neighbour's where the
+        # heuristic reads the row in one pass (32K columns on an H200)
+        split = next((c for c in (heuristic, *near) if isinstance(c, SplitFwdConfig)), None)
+        candidates = _unique([heuristic, *_pipelined(split, tma), *(choose(key._replace(depth=d)) for d in DEPTHS),
+                              *near])
         candidates = tuple(c for c in candidates if _fits(c, n))[:limit or None]
         public = functools.partial(llmkernels.rms_norm if is_rms else llmkernels.layer_norm,
                                    eps=RMS_EPS if is_rms else LN_EPS, **({"prenorm": True} if residual else {}))

@@ -12,6 +12,8 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -436,6 +438,44 @@ def test_runs_at_once_in_a_process_give_one_run_at_a_time_results(tmp_path):
     assert rep["info"]["runs_per_device"] == 2 and "2 runs at once in each" in (tmp_path / "two" / "report.md").read_text()
     with pytest.raises(SystemExit, match="--runs-per-device must be >= 1"):
         sweep.main(["--out", str(tmp_path / "bad"), "--runs-per-device", "0", *MINI])
+
+
+def test_runs_at_once_set_up_one_at_a_time(tmp_path, monkeypatch):
+    """Runs trained at once in a process (threads) build their steps (warm-up and, on a GPU, the
+    CUDA-graph capture) one at a time: a capture fails when another thread's capture set-up
+    synchronises the device."""
+    corpus = data_mod.prepare(data_mod.DataConfig(path=EMAIL, max_bytes=60000), tmp_path / "data", log=lambda *_: None)
+    train, val = torch.from_numpy(corpus.train), torch.from_numpy(corpus.val)
+    windows = {"final": eval_windows(val, 32, 256), "curve": eval_windows(val, 32, 128)}
+    t = TrainConfig(steps=4, batch_size=2, lr=3e-3, warmup_steps=1, eval_tokens=256, curve_points=1,
+                    curve_eval_tokens=128, log_every=2)
+    lock, building, most = threading.Lock(), [0], [0]
+    real = train_mod.Stepper.__init__
+
+    def spy(self, *args, **kwargs):
+        with lock:
+            building[0] += 1
+            most[0] = max(most[0], building[0])
+        time.sleep(0.3)  # long enough for the other thread to arrive
+        try:
+            real(self, *args, **kwargs)
+        finally:
+            with lock:
+                building[0] -= 1
+    monkeypatch.setattr(train_mod.Stepper, "__init__", spy)
+
+    losses = []
+
+    def one(width):
+        losses.append(train_run(ModelConfig(vocab_size=320, n_layers=1, width=width, seq_len=32, head_dim=16), t, train, windows,
+                  backend="reference", device=torch.device("cpu"), dtype=torch.float32, key={}, beside_others=True,
+                  progress=False, log=lambda *_: None)["val_loss"])
+    threads = [threading.Thread(target=one, args=(width,)) for width in (16, 32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(losses) == 2 and most[0] == 1 and building[0] == 0
 
 
 def test_archive_is_packed_after_every_finished_run(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ class Stepper:
         self.loss_sum.zero_()
 
 
-_INIT_LOCK = threading.Lock()
+_SETUP_LOCK = threading.Lock()
 
 
 def _save(obj, path: str):
@@ -244,11 +244,14 @@ def train_run(mcfg: ModelConfig, cfg: TrainConfig, train_tokens: torch.Tensor, v
     windows on ``device``. ``deadline`` (``time.perf_counter()`` value): past it, checkpoint and
     raise ``TimeUp``. ``beside_others``: other threads of this process train runs at the same time."""
     wall0 = time.perf_counter()
-    with _INIT_LOCK:  # the global generator: one run's initialisation at a time in a process
+    amp = autocast_for(device, dtype)
+    # One run's set-up at a time in a process: its initialisation draws from the global generator,
+    # and a CUDA-graph capture fails when another thread's capture set-up synchronises the device.
+    with _SETUP_LOCK:
         torch.manual_seed(run_seed(cfg.seed, mcfg.name, "init"))
         model = GPT(mcfg, backend=backend, compute_dtype=dtype if device.type == "cuda" else torch.float32).to(device)
-    amp = autocast_for(device, dtype)
-    stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture, beside_others=beside_others)
+        stepper = Stepper(model, cfg, train_tokens, device=device, amp=amp, capture=capture,
+                          beside_others=beside_others)
     setup_seconds = time.perf_counter() - wall0
 
     start, history, curve, train_seconds = 0, [], [], 0.0

@@ -141,6 +141,22 @@ def test_fit_quality_warns_when_exactly_determined():
     assert good["dof"] == 2 and good["r2"] > 0.99 and good["warning"] is None
 
 
+def test_budget_optimum_beyond_its_sizes_is_not_extrapolated(seed):
+    """A nearly straight IsoFLOP profile (as a bootstrap resample can draw) has its parabola's
+    minimum far beyond the sizes: the budget is listed without N_opt or D_opt, not extrapolated
+    (past any float), and approach 2 fits the other budgets."""
+    rng = np.random.default_rng(seed)
+    runs = synthetic_runs(rng, 0.002)
+    c0 = min(r["budget"] for r in runs)
+    straight = [{**r, "val_loss": 2.0 - 0.01 * math.log(r["params"]) + 1e-9 * math.log(r["params"]) ** 2}
+                for r in runs if r["budget"] == c0]
+    mixed = straight + [r for r in runs if r["budget"] != c0]
+    first = fit.budget_optima(mixed)[0]
+    assert first["ok"] and not first["inside"] and first["n_opt"] is None and first["d_opt"] is None
+    a2 = fit.approach2(mixed)
+    assert a2["budgets_used"] == len({r["budget"] for r in runs}) - 1 and a2["a"] == pytest.approx(A_TRUE, abs=0.1)
+
+
 LR_MODELS = [(ModelConfig(320, 2, 64), 64), (ModelConfig(320, 4, 128), 16), (ModelConfig(320, 6, 256), 8)]
 
 

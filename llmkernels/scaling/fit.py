@@ -113,7 +113,8 @@ def budget_optima(runs: list[dict], noise_sd: float | None = None) -> list[dict]
     """Per budget: the parabola of loss in log N (total parameters) through the sizes around the
     lowest loss (``near_minimum``), its minimum and that minimum's standard error in log N, with
     D_opt read off the budget's runs (log D linear in log N) and N_opt counted without the
-    embedding as well."""
+    embedding as well, where the minimum lies inside those sizes (beyond them a nearly straight
+    profile puts it anywhere, past any float)."""
     out = []
     for c, all_rs in by_budget(runs).items():
         rs = near_minimum(all_rs)
@@ -121,7 +122,7 @@ def budget_optima(runs: list[dict], noise_sd: float | None = None) -> list[dict]
         fit = parabola_min(ln, [r["val_loss"] for r in rs], noise_sd)
         row = {"budget": c, "runs": len(all_rs), "fitted": [r["name"] for r in rs], **fit, "n_opt": None,
                "d_opt": None, "n_opt_non_embedding": None, "d_slope": None}
-        if fit["ok"]:
+        if fit["ok"] and fit["inside"]:
             order = np.argsort(ln)
             ld = np.log([rs[i]["tokens"] for i in order])
             lne = np.log([rs[i]["non_embedding_params"] for i in order])

@@ -268,8 +268,7 @@ def experts_infer(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_u
 # --------------------------------------------------------------------------------------------
 def _routing_weight_grad(partial, dy, top_k_index, top_k_weights, down_bias, n_experts):
     """``<dy[t], y[t, j]>``: the column tiles' sums of ``<g, h>``, plus ``<dy[t], down_bias[e]>``."""
-    t, k = top_k_index.shape
-    d_weights = partial.sum(1).view(t, k)
+    d_weights = partial.sum(2)
     if down_bias is not None:
         valid = (top_k_index >= 0) & (top_k_index < n_experts)
         with torch.autocast(dy.device.type, enabled=False):  # (a backward may run inside autocast)
@@ -294,21 +293,22 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
     hidden, inter = x.shape[1], down_proj.shape[2]
     launch = _launch(x, top_k_index, down_proj, config, (order, offsets, tiles))
     dy = as_rows(dy, hidden)
-    weights = top_k_weights.contiguous().view(-1)
+    weights = top_k_weights.contiguous()  # (read by slot id: [T, k] in place)
     # s dy B_down [S, r]: the down adapter's part of the gradient of h
     dyb = None if ha is None else _grouped_mm(launch, dy, _operand(down_lora_b, 1), down_lora_b.shape[2], hidden,
                                               gather=True, scale=scale, narrow=True)
     tiles = launch.config.down_bwd
     dgu = torch.empty_like(gu)
     hs = _empty(x, launch.rows, inter) if grads.need_down or grads.need_down_bias or grads.need_down_lora_a else None
-    partial = (torch.zeros((launch.rows, cdiv(inter, tiles.block_n)), device=x.device, dtype=torch.float32)
+    # (a slot's column-tile sums at [t, j, :], slot t * k + j: summed into top_k_weights' shape)
+    partial = (torch.zeros((*top_k_index.shape, cdiv(inter, tiles.block_n)), device=x.device, dtype=torch.float32)
                if grads.need_weights else None)
     pair, up_offset = _pairing(options, inter)
     (la, lb), lora = _lora_args(dyb, None if dyb is None else _operand(down_lora_a, 1), dgu)
     _row_grid(kernels.down_bwd_kernel, tiles, launch, inter,
               (dy, down_proj, la, lb, gu, weights, dgu, dgu if hs is None else hs,
                dgu if partial is None else partial, launch.n_experts, hidden, inter, lora[0], dy.stride(0),
-               *_operand(down_proj, 1)[1:], *lora[1:], 0 if partial is None else partial.stride(0), up_offset,
+               *_operand(down_proj, 1)[1:], *lora[1:], 0 if partial is None else partial.stride(1), up_offset,
                options.alpha, options.limit),
               PAIR=pair, ACTIVATION=options.activation, HAS_LORA=dyb is not None, STORE_H=hs is not None,
               STORE_P=partial is not None, BLOCK_R=_rank_block(lora[0]))

@@ -1,6 +1,7 @@
 """The MoE kernels: grouped GEMMs over the expert-sorted slots (``routing.py``), with the token
 gather fused into their loads, the gated activation into their epilogues and the scatter back to
-slot order into their stores; the per-expert weight gradients; the weighted combine.
+slot order into their stores; the per-expert weight gradients; the weighted combine; the
+routing's offsets and tile table.
 
 Names: ``S = T * k`` slots, rows of the sorted order; ``E`` experts; a program of a row-tiled
 kernel owns one tile of ``tile_table`` (one expert's rows) and one column tile. Weights are read

@@ -46,10 +46,12 @@ import llmkernels as lk  # noqa: E402
 from llmkernels import reference  # noqa: E402
 from llmkernels.bench.registry import Unavailable, liger_function  # noqa: E402
 
-# (N, I, heads q/k and head dim, V, LM-head hidden size and vocabulary) of the full run and of --tiny.
-FULL = dict(n=4096, i=14336, hq=32, hk=8, d=128, v=32000, lce_h=4096, lce_v=32000)
-TINY = dict(n=64, i=96, hq=4, hk=2, d=16, v=100, lce_h=32, lce_v=100)
-STUB = dict(FULL, lce_h=64, lce_v=256)
+# (N, I, heads q/k and head dim, V, LM-head hidden size and vocabulary, MoE experts: E, top-k, H, I
+# and LoRA rank) of the full run and of --tiny. The full MoE is moe_lora_bench.py's layer; the stub's
+# has its routing at that size and small weights (their size does not change the host path).
+FULL = dict(n=4096, i=14336, hq=32, hk=8, d=128, v=32000, lce_h=4096, lce_v=32000, moe=(64, 8, 1024, 512, 16))
+TINY = dict(n=64, i=96, hq=4, hk=2, d=16, v=100, lce_h=32, lce_v=100, moe=(4, 2, 32, 16, 4))
+STUB = dict(FULL, lce_h=64, lce_v=256, moe=(64, 8, 64, 32, 16))
 LOOP_SECONDS = 0.02  # each timed loop is about this long (at least 3 calls, 1 with --tiny; at most 200)
 LOOPS = 5
 
@@ -85,6 +87,30 @@ def _hf_rms(x, w):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
     return w * h.to(x.dtype)
+
+
+def _moe_lora_inputs(m: int, dims: dict, randn, device: str) -> dict:
+    """One MoE layer's experts with LoRA (r on gate/up and down, fp32 adapters as PEFT keeps
+    them, the experts frozen): x, the routing and the weights."""
+    e, k, h, i, r = dims["moe"]
+    weights, index = torch.rand(m, e, device=device).softmax(-1).topk(k, -1)
+    return dict(x=randn(m, h), index=index, routing=weights.to(torch.bfloat16),
+                gate_up=randn(e, 2 * i, h, scale=h ** -0.5), down=randn(e, h, i, scale=i ** -0.5),
+                gate_up_a=torch.randn(e, r, h, device=device) * h ** -0.5,
+                gate_up_b=torch.randn(e, 2 * i, r, device=device),
+                down_a=torch.randn(e, r, i, device=device) * i ** -0.5, down_b=torch.randn(e, h, r, device=device))
+
+
+def _moe_lora(x, index, routing, gate_up, down, gate_up_a, gate_up_b, down_a, down_b):
+    return lk.moe_experts(x, index, routing, gate_up, down, lora=lk.ExpertLora((gate_up_a, gate_up_b),
+                                                                               (down_a, down_b), 2.0))
+
+
+def _torch_moe_lora(x, index, routing, gate_up, down, gate_up_a, gate_up_b, down_a, down_b):
+    """The per-expert loop of PyTorch ops (llmkernels' float reference, in fp32)."""
+    from llmkernels import reference_moe
+    return reference_moe.experts(x, index, routing, gate_up, down, lora=reference_moe.Lora(
+        (gate_up_a, gate_up_b), (down_a, down_b), 2.0))
 
 
 def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
@@ -137,6 +163,9 @@ def cases(m: int, dims: dict, device: str, gpu: bool) -> dict:
             llmkernels=lambda h, weight: lk.linear_cross_entropy(h, weight, lce_target),
             torch=lambda h, weight: F.cross_entropy(F.linear(h, weight), lce_target),
             liger=liger and _liger_lce(lce_target))),
+        "moe_experts_lora": (_moe_lora_inputs(m, dims, randn, device),
+                             ("x", "routing", "gate_up_a", "gate_up_b", "down_a", "down_b"),
+                             dict(llmkernels=_moe_lora, torch=_torch_moe_lora)),
     }
     return {name: (inputs, grads, {p: f for p, f in providers.items() if f})
             for name, (inputs, grads, providers) in table.items()}

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ("rms_norm", "layer_norm", "add_rms_norm", "rope", "glu", "cross_entropy", "linear_cross_entropy")
+OPS = ("rms_norm", "layer_norm", "add_rms_norm", "rope", "glu", "cross_entropy", "linear_cross_entropy",
+       "moe_experts_lora")
 
 
 def _run(script: str, *args):

@@ -272,7 +272,7 @@ def test_moe_config_on_a_gpu_model(monkeypatch, rows, experts, hidden, inter):
     from llmkernels.ops.moe import configs
     from llmkernels.ops.moe.routing import max_tiles
     monkeypatch.setattr(_device, "model_of", lambda device: _device.REFERENCE)
-    config = configs.moe_config(rows, experts, hidden, inter, torch.device("cuda"))
+    config = configs.choose(rows, experts, hidden, inter, torch.device("cuda"))  # (not kept: a fake model)
     full = configs.row_block(rows / experts) == 128
     assert (config.gate_up.group_m, config.down.group_m) == ((8, 8) if full else (1, 1))
     programs = 2 * _device.REFERENCE.sms

@@ -80,7 +80,7 @@ def test_grouped_weight_grad_matches_per_expert_sums(gemm, step, transposed):
     slots' sorted rows (NaN) left out, the gradient in the weight's layout, the bias's sums."""
     tokens, n_experts, k, m, n = 21, 4, 2, 24, 16
     index = _index(tokens, n_experts, k)
-    order, offsets = sort_slots(index, n_experts)
+    order, offsets, _ = sort_slots(index, n_experts, 16)
     assert offsets[0] == 0 and offsets[-1] < tokens * k  # dropped slots sort last
     slots = torch.arange(tokens * k, device=DEVICE)
     token_rows = torch.randn(tokens, m if step == "down" else n, device=DEVICE).bfloat16()
@@ -157,8 +157,8 @@ def test_moe_config_chooses_the_backend(monkeypatch, rows, experts, full, has_to
     backend of another name is refused."""
     monkeypatch.setattr(_device, "model_of", lambda device: _device.REFERENCE)
     monkeypatch.setattr(configs, "available", lambda device: has_torch_gemm)
-    config = configs.moe_config(rows, experts, 2048, 768, torch.device("cuda"))
+    config = configs.choose(rows, experts, 2048, 768, torch.device("cuda"))  # (not kept: a fake model)
     assert config.weight_grad_backend == ("grouped_mm" if full and has_torch_gemm else "triton")
-    assert configs.moe_config(rows, experts, 2048, 768, torch.device("cpu")).weight_grad_backend == "triton"
+    assert configs.choose(rows, experts, 2048, 768, torch.device("cpu")).weight_grad_backend == "triton"
     with pytest.raises(ValueError, match="weight_grad_backend must be one of"):
         dataclasses.replace(INTERPRETER, weight_grad_backend="cutlass")

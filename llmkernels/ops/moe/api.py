@@ -151,15 +151,18 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
         raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
     shape, hidden, k = x.shape, x.shape[-1], top_k_index.shape[-1]
     rows = as_rows(x, hidden)
-    index, weights = top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)
+    # (already [T, k] and [T, H] as transformers passes them: no view, and no view node in the backward)
+    flat = x.dim() == 2
+    index, weights = ((top_k_index, top_k_weights) if flat
+                      else (top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)))
     if not use_kernels(x) or x.dtype == torch.float64 or rows.shape[0] == 0:
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         out = reference_moe.experts(rows, index, weights, gate_up, down, gate_up_bias, down_bias,
                                     activation=activation, interleaved=interleaved, alpha=options.alpha,
                                     limit=options.limit, compute_dtype=compute,
                                     lora=None if lora is None else reference_moe.Lora(*lora))
-        return out.view(shape)
+        return out if flat else out.view(shape)
     # (biases are read with unit column stride; a [E, N] copy where they are not)
     biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
     out = EXPERTS(rows, index, weights, gate_up, down, *biases, *adapters, options, config=config)
-    return out.view(shape)
+    return out if flat else out.view(shape)

@@ -19,6 +19,7 @@ import torch
 
 from .. import _device
 from .._args import cdiv
+from .._launch import PlanCache
 from .._device import fit_stages
 from .routing import max_tiles
 from .wgrad import BACKENDS, available
@@ -91,7 +92,7 @@ def _staged(tiles: GemmTiles, device: torch.device, operands: int = 2) -> GemmTi
     return dataclasses.replace(tiles, num_stages=max(1, fit_stages(tiles.num_stages, stage_bytes, device)))
 
 
-def moe_config(rows: int, experts: int, hidden: int, inter: int, device: torch.device) -> MoeConfig:
+def choose(rows: int, experts: int, hidden: int, inter: int, device: torch.device) -> MoeConfig:
     """The launches of ``rows`` slots (tokens x top-k) over ``experts`` experts of hidden size
     ``hidden`` and intermediate size ``inter``, on ``device``."""
     if device.type != "cuda":
@@ -118,3 +119,12 @@ def moe_config(rows: int, experts: int, hidden: int, inter: int, device: torch.d
         # Torch's grouped GEMM formed each weight gradient in about half the kernel's time at
         # Mixtral's shape (moe_tiles.py's bare GEMMs, H200); with fewer rows an expert the kernel stays.
         weight_grad_backend="grouped_mm" if full and available(device) else "triton")
+
+
+# (chosen once a shape: a forward and its backward each ask, every layer of every step)
+_CHOSEN = PlanCache(choose)
+
+
+def moe_config(rows: int, experts: int, hidden: int, inter: int, device: torch.device) -> MoeConfig:
+    """``choose``'s launches of these sizes on ``device``, made once."""
+    return _CHOSEN[rows, experts, hidden, inter, device]

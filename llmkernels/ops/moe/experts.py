@@ -28,6 +28,7 @@ kernel, and sums ``dB``, ``dA`` per expert like the weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -86,11 +87,18 @@ def _precision(dtype: torch.dtype) -> str:
 def _operand(w: torch.Tensor, k_dim: int) -> tuple:
     """``(w, stride_e, stride_k, stride_n)``: ``w [E, d1, d2]`` read as a kernel's ``B[e][kk, n]``,
     ``kk`` along dim ``k_dim`` (2: ``x @ w[e]^T``; 1: ``x @ w[e]``)."""
-    return w, w.stride(0), w.stride(k_dim), w.stride(3 - k_dim)
+    strides = w.stride()  # (once: each Tensor.stride(i) is a call into torch)
+    return w, strides[0], strides[k_dim], strides[3 - k_dim]
 
 
 def _rank_block(r: int) -> int:
     return max(16, next_pow2(r))
+
+
+@functools.lru_cache(maxsize=256)
+def _narrow(tiles: GemmTiles, r: int) -> GemmTiles:
+    """``tiles`` with column tiles of a LoRA rank ``r``'s width."""
+    return dataclasses.replace(tiles, block_n=_rank_block(r))
 
 
 def _lora_args(rows_lora: Optional[torch.Tensor], b: Optional[tuple], stand_in: torch.Tensor) -> tuple:
@@ -103,7 +111,8 @@ def _lora_args(rows_lora: Optional[torch.Tensor], b: Optional[tuple], stand_in: 
 
 class Launch(NamedTuple):
     """What the row-tiled launches of one call share; ``tables``: the tile tables made so far,
-    by ``block_m`` (each made once a call)."""
+    by ``block_m`` (the routing's own, then any other ``block_m`` a configuration asks for, each
+    made once a call)."""
 
     routing: tuple  # (order, offsets)
     rows: int
@@ -117,14 +126,13 @@ class Launch(NamedTuple):
 def _row_grid(kernel, tiles: GemmTiles, launch: Launch, n: int, args: tuple, **constexprs) -> None:
     """``kernel`` over the row tiles of ``launch`` (``tiles.block_m`` rows) and ``n`` columns."""
     order, offsets = launch.routing
-    tables = launch.tables.get(tiles.block_m)
-    if tables is None:
-        tables = launch.tables[tiles.block_m] = tile_table(offsets, launch.rows, tiles.block_m)
-    tile_e, tile_s = tables
+    table = launch.tables.get(tiles.block_m)
+    if table is None:
+        table = launch.tables[tiles.block_m] = tile_table(offsets, launch.rows, tiles.block_m)
     handle = launcher_of(kernel, **constexprs, TOP_K=launch.top_k, BLOCK_M=tiles.block_m, GROUP_M=tiles.group_m,
                       BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=launch.precision,
                       num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    handle((tile_e.numel() * cdiv(n, tiles.block_n),), args[0], order, tile_e, tile_s, offsets, *args[1:])
+    handle((table.numel() // 2 * cdiv(n, tiles.block_n),), args[0], order, table, offsets, *args[1:])
 
 
 def _grouped_mm(launch: Launch, a, w: tuple, n: int, k: int, *, gather=False, scatter=False, bias=None,
@@ -132,14 +140,12 @@ def _grouped_mm(launch: Launch, a, w: tuple, n: int, k: int, *, gather=False, sc
     """``C [S, n] = scale * a[row or token] @ B[e]`` (+ ``lora_rows @ lora_b[e]``, + bias),
     rows in sorted order or, ``scatter``, at their slots; ``w`` an ``_operand``. ``narrow``: n
     is a LoRA rank (column tiles of its size)."""
-    tiles = launch.config.down
-    if narrow:
-        tiles = dataclasses.replace(tiles, block_n=_rank_block(n))
+    tiles = _narrow(launch.config.down, n) if narrow else launch.config.down
     c = torch.empty((launch.rows, n), device=a.device, dtype=a.dtype)
     (la, lb), lora = _lora_args(lora_rows, lora_b, a)
     _row_grid(kernels.grouped_mm_kernel, tiles, launch, n,
               (a, w[0], c if bias is None else bias, la, lb, c, launch.n_experts, k, n, lora[0], a.stride(0), *w[1:],
-               0 if bias is None else bias.stride(0), *lora[1:], c.stride(0), float(scale)),
+               0 if bias is None else bias.stride(0), *lora[1:], n, float(scale)),
               GATHER_A=gather, SCATTER_C=scatter, HAS_BIAS=bias is not None, HAS_LORA=lora_rows is not None,
               BLOCK_R=_rank_block(lora[0]))
     return c
@@ -155,7 +161,7 @@ def _combine(ys: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tens
     handle = launcher_of(kernels.combine_kernel, TOP_K=launch.top_k, WEIGHTED=weights is not None,
                       BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps)
     handle((cdiv(t, tiles.block_t) * cdiv(n, tiles.block_n),), ys, index, w, out, t, n, launch.n_experts,
-           index.stride(0), index.stride(1), w.stride(0), w.stride(1), out.stride(0))
+           *index.stride(), *w.stride(), n)
     return out
 
 
@@ -172,8 +178,8 @@ def _weight_grad(launch: Launch, a, b, out_like, *, gather_a=False, gather_b=Fal
                       num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     order, offsets = launch.routing
     handle((n_experts * cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n),), a, b, order, offsets,
-           a if scale is None else scale, dw, dw if db is None else db, m, n, a.stride(0), b.stride(0), dw.stride(0),
-           dw.stride(1), dw.stride(2), 0 if db is None else db.stride(0))
+           a if scale is None else scale, dw, dw if db is None else db, m, n, a.stride(0), b.stride(0), *dw.stride(),
+           0 if db is None else db.stride(0))
     return dw, db
 
 
@@ -186,11 +192,15 @@ def _plain_weight_grad(launch: Launch, a, b, out_like, **options):
     return _weight_grad(launch, a, b, out_like, **options)
 
 
-def _launch(x, top_k_index, down_proj, routing, config) -> Launch:
+def _launch(x, top_k_index, down_proj, config, routing=None) -> Launch:
+    """The call's launches over ``routing`` (order, offsets, tile table of ``gate_up.block_m``),
+    sorted here when None (the forward)."""
     t, k = top_k_index.shape
     n_experts = down_proj.shape[0]
     config = config or moe_config(t * k, n_experts, x.shape[1], down_proj.shape[2], x.device)
-    return Launch(routing, t * k, k, n_experts, config, _precision(x.dtype), {})
+    block_m = config.gate_up.block_m
+    order, offsets, table = routing or sort_slots(top_k_index, n_experts, block_m)
+    return Launch((order, offsets), t * k, k, n_experts, config, _precision(x.dtype), {block_m: table})
 
 
 def _pairing(options: ExpertsOptions, inter: int) -> tuple:
@@ -205,7 +215,7 @@ def _forward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bia
              gate_up_lora_b, down_lora_a, down_lora_b, options: ExpertsOptions, store_gu: bool,
              config: Optional[MoeConfig]):
     hidden, inter = x.shape[1], down_proj.shape[2]
-    launch = _launch(x, top_k_index, down_proj, tuple(sort_slots(top_k_index, down_proj.shape[0])), config)
+    launch = _launch(x, top_k_index, down_proj, config)
     scale = options.lora_scale
     xa = None if gate_up_lora_a is None else _grouped_mm(launch, x, _operand(gate_up_lora_a, 2),
                                                          gate_up_lora_a.shape[1], hidden, gather=True, scale=scale,
@@ -227,7 +237,7 @@ def _forward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bia
                      lora_b=None if ha is None else _operand(down_lora_b, 2))
     del hs
     out = _combine(ys, top_k_index, top_k_weights, launch, x.dtype)
-    return out, gu, launch.routing[0], launch.routing[1], xa, ha
+    return out, gu, *launch.routing, launch.tables[launch.config.gate_up.block_m], xa, ha
 
 
 def experts_fwd(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -235,8 +245,9 @@ def experts_fwd(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                 gate_up_lora_a: Optional[torch.Tensor], gate_up_lora_b: Optional[torch.Tensor],
                 down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], options: ExpertsOptions, *,
                 config: Optional[MoeConfig] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out [T, H], gate/up [S, 2I], order [S], offsets [E + 1], s x A_gu^T [S, r],
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor]:
+    """``(out [T, H], gate/up [S, 2I], order [S], offsets [E + 1], tile table, s x A_gu^T [S, r],
     s h A_down^T [S, r])`` of ``x [T, H]`` (unit stride along H) routed by ``top_k_index``,
     ``top_k_weights [T, k]`` through ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
     (logical orientation, any strides) and their adapters (None: none)."""
@@ -257,8 +268,7 @@ def experts_infer(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_u
 # --------------------------------------------------------------------------------------------
 def _routing_weight_grad(partial, dy, top_k_index, top_k_weights, down_bias, n_experts):
     """``<dy[t], y[t, j]>``: the column tiles' sums of ``<g, h>``, plus ``<dy[t], down_bias[e]>``."""
-    t, k = top_k_index.shape
-    d_weights = partial.sum(1).view(t, k)
+    d_weights = partial.sum(2)
     if down_bias is not None:
         valid = (top_k_index >= 0) & (top_k_index < n_experts)
         with torch.autocast(dy.device.type, enabled=False):  # (a backward may run inside autocast)
@@ -271,7 +281,8 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, down_bias: Optional[torch.Tensor],
                 gate_up_lora_a: Optional[torch.Tensor], gate_up_lora_b: Optional[torch.Tensor],
                 down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], gu: torch.Tensor,
-                order: torch.Tensor, offsets: torch.Tensor, xa: Optional[torch.Tensor], ha: Optional[torch.Tensor],
+                order: torch.Tensor, offsets: torch.Tensor, tiles: torch.Tensor, xa: Optional[torch.Tensor],
+                ha: Optional[torch.Tensor],
                 grads: ExpertsGrads, *, config: Optional[MoeConfig] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -280,23 +291,24 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, to
     where ``grads`` does not ask for one."""
     options, scale = grads.options, grads.options.lora_scale
     hidden, inter = x.shape[1], down_proj.shape[2]
-    launch = _launch(x, top_k_index, down_proj, (order, offsets), config)
+    launch = _launch(x, top_k_index, down_proj, config, (order, offsets, tiles))
     dy = as_rows(dy, hidden)
-    weights = top_k_weights.contiguous().view(-1)
+    weights = top_k_weights.contiguous()  # (read by slot id: [T, k] in place)
     # s dy B_down [S, r]: the down adapter's part of the gradient of h
     dyb = None if ha is None else _grouped_mm(launch, dy, _operand(down_lora_b, 1), down_lora_b.shape[2], hidden,
                                               gather=True, scale=scale, narrow=True)
     tiles = launch.config.down_bwd
     dgu = torch.empty_like(gu)
     hs = _empty(x, launch.rows, inter) if grads.need_down or grads.need_down_bias or grads.need_down_lora_a else None
-    partial = (torch.zeros((launch.rows, cdiv(inter, tiles.block_n)), device=x.device, dtype=torch.float32)
+    # (a slot's column-tile sums at [t, j, :], slot t * k + j: summed into top_k_weights' shape)
+    partial = (torch.zeros((*top_k_index.shape, cdiv(inter, tiles.block_n)), device=x.device, dtype=torch.float32)
                if grads.need_weights else None)
     pair, up_offset = _pairing(options, inter)
     (la, lb), lora = _lora_args(dyb, None if dyb is None else _operand(down_lora_a, 1), dgu)
     _row_grid(kernels.down_bwd_kernel, tiles, launch, inter,
               (dy, down_proj, la, lb, gu, weights, dgu, dgu if hs is None else hs,
                dgu if partial is None else partial, launch.n_experts, hidden, inter, lora[0], dy.stride(0),
-               *_operand(down_proj, 1)[1:], *lora[1:], 0 if partial is None else partial.stride(0), up_offset,
+               *_operand(down_proj, 1)[1:], *lora[1:], 0 if partial is None else partial.stride(1), up_offset,
                options.alpha, options.limit),
               PAIR=pair, ACTIVATION=options.activation, HAS_LORA=dyb is not None, STORE_H=hs is not None,
               STORE_P=partial is not None, BLOCK_R=_rank_block(lora[0]))

@@ -1,6 +1,7 @@
 """The MoE kernels: grouped GEMMs over the expert-sorted slots (``routing.py``), with the token
 gather fused into their loads, the gated activation into their epilogues and the scatter back to
-slot order into their stores; the per-expert weight gradients; the weighted combine.
+slot order into their stores; the per-expert weight gradients; the weighted combine; the
+routing's offsets and tile table.
 
 Names: ``S = T * k`` slots, rows of the sorted order; ``E`` experts; a program of a row-tiled
 kernel owns one tile of ``tile_table`` (one expert's rows) and one column tile. Weights are read
@@ -42,14 +43,16 @@ def _swizzled(pid, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _program_tile(TILES, OFFS, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(expert, rows [BLOCK_M], row mask, column tile, columns [BLOCK_N], column mask)`` of this
-    program: row tile of ``tile_table`` and column tile of ``N`` by ``_swizzled`` over the grid of
-    row tiles x column tiles; expert ``E`` past the last row tile (the caller returns)."""
+    program: row tile of the tile table ``TILES`` (``routing.py``: the grid's row tiles' experts,
+    then their first rows) and column tile of ``N`` by ``_swizzled`` over the grid of row tiles x
+    column tiles; expert ``E`` past the last row tile (the caller returns)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _swizzled(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, GROUP_M)
-    e = tl.load(TILE_E + pid_m)
-    start = tl.load(TILE_S + pid_m)
+    m_tiles = tl.num_programs(0) // n_tiles
+    pid_m, pid_n = _swizzled(tl.program_id(0), m_tiles, n_tiles, GROUP_M)
+    e = tl.load(TILES + pid_m)
+    start = tl.load(TILES + m_tiles + pid_m)
     end = tl.load(OFFS + tl.minimum(e, E - 1) + 1)
     rows = start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,7 +155,7 @@ def _gated_grads(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.con
 # forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K, N, R, stride_x, stride_we,
+def gate_up_kernel(X, ORDER, TILES, OFFS, W, BIAS, LA, LB, GU, HS, E, K, N, R, stride_x, stride_we,
                    stride_wk, stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, up_offset, alpha,
                    limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -162,7 +165,7 @@ def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K
     tokens gathered on load; with HAS_LORA ``+ LA[row] @ LB[e]`` (``LA [S, R]``: the rows'
     scaled LoRA inputs ``s x A^T``). Stores ``HS [S, I] = gated(gate, up)`` and, with STORE_GU,
     the rounded ``gate, up`` in ``GU [S, 2I]`` for the backward."""
-    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILES, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     token = (_slots(ORDER, rows, r_mask) // TOP_K).to(tl.int64)
@@ -188,7 +191,7 @@ def gate_up_kernel(X, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, GU, HS, E, K
 
 
 @triton.jit
-def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, C, E, K, N, R, stride_a, stride_we, stride_wk,
+def grouped_mm_kernel(A, ORDER, TILES, OFFS, W, BIAS, LA, LB, C, E, K, N, R, stride_a, stride_we, stride_wk,
                       stride_wn, stride_be, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_c, scale,
                       TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -196,7 +199,7 @@ def grouped_mm_kernel(A, ORDER, TILE_E, TILE_S, OFFS, W, BIAS, LA, LB, C, E, K, 
     """``C[out_row] = scale * A[a_row] @ W[e]`` (+ ``LA[row] @ LB[e]``, + bias) for a tile of
     sorted rows: ``a_row`` the row itself or, GATHER_A, its token; ``out_row`` the row itself
     or, SCATTER_C, its slot id."""
-    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILES, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     if GATHER_A or SCATTER_C:
@@ -242,7 +245,7 @@ def combine_kernel(Y, INDEX, WEIGHTS, OUT, T, N, E, stride_i, stride_ij, stride_
 # backward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, LA, LB, GU, WEIGHTS, DGU, HS, P, E, K, N, R, stride_dy,
+def down_bwd_kernel(DY, ORDER, TILES, OFFS, W, LA, LB, GU, WEIGHTS, DGU, HS, P, E, K, N, R, stride_dy,
                     stride_we, stride_wk, stride_wn, stride_la, stride_lbe, stride_lbk, stride_lbn, stride_p,
                     up_offset, alpha, limit, PAIR: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
                     HAS_LORA: tl.constexpr, STORE_H: tl.constexpr, STORE_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -254,7 +257,7 @@ def down_bwd_kernel(DY, ORDER, TILE_E, TILE_S, OFFS, W, LA, LB, GU, WEIGHTS, DGU
     ``DGU = d(gate, up)`` of ``dh = w * g``; with STORE_H the recomputed ``h`` in ``HS`` (for
     the down weight's gradient); with STORE_P ``P[slot, column tile] = sum_n g * h``, this
     column tile's part of the routing weight's gradient ``<dy, y>``."""
-    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILE_E, TILE_S, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, r_mask, col_tile, cols, c_mask = _program_tile(TILES, OFFS, E, N, BLOCK_M, BLOCK_N, GROUP_M)
     if e >= E:
         return
     slots = _slots(ORDER, rows, r_mask)
@@ -320,3 +323,49 @@ def weight_grad_kernel(A, B, ORDER, OFFS, SCALE, C, DB, M, N, stride_a, stride_b
     if HAS_DB:
         if pid_n == 0:
             tl.store(DB + e * stride_db + ms, db.to(DB.dtype.element_ty), mask=m_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# routing metadata
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _lower_bound(KEYS, S, values, steps):
+    """How many of the ascending ``KEYS[:S]`` are below each of ``values`` (binary searches of
+    ``steps`` halvings, ``S.bit_length()`` enough)."""
+    lo = tl.zeros_like(values)
+    hi = tl.zeros_like(values) + S
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        less = tl.load(KEYS + mid, mask=active, other=0) < values
+        lo = tl.where(active & less, mid + 1, lo)
+        hi = tl.where(active & ~less, mid, hi)
+    return lo
+
+
+@triton.jit
+def routing_kernel(KEYS, OFFS, TILES, S, E, T, steps, BLOCK_M: tl.constexpr, FIND_OFFSETS: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program. With FIND_OFFSETS, ``OFFS[e]`` (e = 0 ... E) = how many of the sorted expert
+    ids ``KEYS [S]`` are below e; else ``OFFS`` is read (and KEYS unused). Then the tile table of
+    ``BLOCK_M`` rows: ``TILES[t]`` the expert of tile t (E past the last tile), ``TILES[T + t]``
+    its first row ``OFFS[e] + (t - first tile of e) * BLOCK_M`` (e clamped to E - 1)."""
+    es = tl.arange(0, BLOCK_E)
+    experts = es < E
+    if FIND_OFFSETS:
+        lo = _lower_bound(KEYS, S, es, steps)
+        hi = _lower_bound(KEYS, S, es + 1, steps)
+        tl.store(OFFS + es, lo, mask=es <= E)
+    else:
+        lo = tl.load(OFFS + es, mask=es <= E, other=0)
+        hi = tl.load(OFFS + es + 1, mask=experts, other=0)
+    tiles = tl.where(experts, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(tiles, 0)
+    base = lo - (ends - tiles) * BLOCK_M  # + t * BLOCK_M: the first row of tile t of this expert
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        expert = tl.sum(((ends[None, :] <= t[:, None]) & experts[None, :]).to(tl.int32), axis=1)
+        pick = es[None, :] == tl.minimum(expert, E - 1)[:, None]
+        start = tl.sum(tl.where(pick, base[None, :], 0), axis=1) + t * BLOCK_M
+        tl.store(TILES + t, expert, mask=t < T)
+        tl.store(TILES + T + t, start, mask=t < T)

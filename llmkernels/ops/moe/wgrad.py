@@ -69,11 +69,12 @@ def usable(out_like: torch.Tensor, rows_dtype: torch.dtype, bias_like: Optional[
 def _sorted_rows(t: torch.Tensor, gather: bool, order: torch.Tensor, top_k: int,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``t``'s rows in expert order, contiguous: gathered by token (``order // top_k``) or
-    already sorted, times ``scale[slot]`` (computed in fp32, rounded once)."""
+    already sorted, times ``scale`` (``[S]`` or ``[T, k]``, contiguous) at the row's slot
+    (computed in fp32, rounded once)."""
     if gather or not t.is_contiguous():
         t = t.index_select(0, order.long() // top_k) if gather else t.contiguous()
     if scale is not None:
-        t = (t if gather else t.clone()).mul_(scale[order.long()][:, None])
+        t = (t if gather else t.clone()).mul_(scale.view(-1)[order.long()][:, None])
     return t
 
 

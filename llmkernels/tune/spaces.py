@@ -77,9 +77,9 @@ def _fits(config, n: int) -> bool:
 
 
 def _pipelined(config, tma: bool) -> list:
-    """A split forward's (None: none) pipelined twin and, where ``tma``, the same reading x through TMA (next
-    in line, so that a search cut short still tries them: they measured best at wide rows on an
-    H200, benchmarks/results/wide-rows-h200-2026-11-28/)."""
+    """A split forward's pipelined twin (none for None) and, where ``tma``, the same reading x
+    through TMA (next in line, so that a search cut short still tries them: they measured best at
+    wide rows on an H200, benchmarks/results/wide-rows-h200-2026-11-28/)."""
     if not isinstance(config, SplitFwdConfig):
         return []
     piped = config if config.stages else dataclasses.replace(config, stages=3)

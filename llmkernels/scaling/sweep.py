@@ -24,8 +24,8 @@ time limit, a failed run): the report covers those that are, and the same comman
 Several GPUs: one training process per GPU (--workers, default every visible GPU; on a CPU one
 process, or --workers N) takes the next run of a stage as it comes free; a stage ends when its last
 run does, so the plan and every result are those of one GPU. --runs-per-device K trains K runs at
-once in each process (threads, each on its own CUDA stream), for small models that leave a GPU
-mostly idle: each run's result is still its own alone. --archive packs the output's small
+once in each process (threads, each on its own CUDA stream), so that small models' kernels
+overlap (a modest gain: measure it on the machine); each run's result is still its own alone. --archive packs the output's small
 files after every finished run, so that a call killed at its time limit loses only the runs in
 flight; --restore in the next call (a fresh machine) resumes from there.
 
@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training processes, each taking the next run as it comes free: on CUDA one per GPU, the "
                         "first N visible (default: every visible GPU); on a CPU N processes (default: 1)")
     g.add_argument("--runs-per-device", metavar="K", type=int, default=1,
-                   help="runs each training process trains at once, each in its own thread and CUDA stream: a small "
-                        "model leaves most of a GPU idle, and K runs overlap there; every run's result is the one it "
-                        "gets alone (deterministic kernels) (default: %(default)s)")
+                   help="runs each training process trains at once, each in its own thread and CUDA stream, so that "
+                        "small models' kernels overlap (the gain is modest: measure it on the machine); every run's "
+                        "result is the one it gets alone (deterministic kernels) (default: %(default)s)")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU (default: %(default)s)")
     g.add_argument("--no-graph", action="store_true", help="run the step eagerly instead of as one CUDA graph")

@@ -7,13 +7,16 @@ sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured 
   spread ``--spread``x around the surface's optimum (as the windows of ``llmkernels scaling`` are),
   C = 6ND; the median 90% half-width of a for approaches 2 and 3 over ``--draws`` sweeps a design.
   A surface taken from real runs is smoother than they are (their residuals are not all noise), so
-  compare designs with each other, not with a measured half-width.
+  compare designs with each other, not with a measured half-width. ``--ladder``: the runs the
+  sweep itself would plan instead (the ladder's shapes; the upper windows centred on the surface's
+  optimum): where the ladder ends above a small budget's optimum, that budget tells less.
 - ``--bias DRAWS``: at the report's own runs (sizes, budgets, curve points), their curves placed as
   measured on them (``synthetic.measured_curves``); the mean and sd of each approach's a less the
   surface's, on the smooth surface and with each size's mean approach-3 residual of the report
   added to its runs (the sizes' own departures from the surface, the same at every budget).
 
     python benchmarks/scaling_design.py --designs 1e15,6e15,5 1e15,2e16,7 1e15,4e16,8
+    python benchmarks/scaling_design.py --ladder --designs 2.236e14,2e16,10 2.236e14,2e16,14
     python benchmarks/scaling_design.py --report path/to/report.json --draws 5 --resamples 200
     python benchmarks/scaling_design.py --bias 100 --designs
 """
@@ -27,7 +30,8 @@ import statistics
 
 import numpy as np
 
-from llmkernels.scaling import intervals, surface, synthetic
+from llmkernels.scaling import design as design_mod
+from llmkernels.scaling import intervals, plan, surface, synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join(ROOT, "benchmarks", "results", "scaling-h200x4-2026-11-28", "seed1", "report.json")
@@ -45,19 +49,40 @@ def surface_of(report: dict) -> tuple[dict, float]:
     return {k: fit[k] for k in ("E", "A", "B", "alpha", "beta")}, float(noise)
 
 
+def ladder_runs(truth: dict, design: tuple, sizes: int) -> list[dict]:
+    """The IsoFLOP runs ``llmkernels scaling`` plans for ``design`` (the ladder's shapes, ``sizes`` a
+    budget), the upper budgets' windows centred on the surface's own optimum, as records to draw at."""
+    lo, hi, budgets = design
+    d = design_mod.Design(budget_lo=lo, budget_hi=hi, n_budgets=budgets, sizes_per_budget=sizes,
+                          lower_budgets=min(budgets, design_mod.Design.lower_budgets))
+    opt = surface.optimum(truth)
+    centres = {c: opt["G"] * (c / 6) ** opt["a"] for c in d.budgets()[d.lower_budgets:]}
+    models, hp, rule = plan.ladder_models(plan.BYTE_VOCAB), plan.HParams(), plan.LRRule()
+    return [{"name": r.model.name, "params": r.model.total_params(), "non_embedding_params": r.model.non_embedding_params(),
+             "budget": r.budget, "compute": r.compute, "tokens": r.tokens, "curve": []}
+            for r in d.lower(models, rule, hp) + d.upper(models, rule, hp, centres) if r.stage == "sweep"]
+
+
 def study(truth: dict, noise: float, design: tuple, args) -> dict:
-    """Median half-widths of a (approaches 2 and 3) over ``args.draws`` sweeps of ``design``."""
+    """Median half-widths of a (approaches 2 and 3) over ``args.draws`` sweeps of ``design``: sizes
+    spread freely around the optimum, or (``args.ladder``) the sweep's own plan on the ladder."""
     lo, hi, budgets = design
     widths = {"a2_a": [], "a3_a": []}
+    planned = ladder_runs(truth, design, args.sizes) if args.ladder else None
     for draw in range(args.draws):
-        shape = synthetic.Shape(lo=lo, hi=hi, budgets=budgets, sizes=args.sizes, spread=args.spread, non_embedding=1.0)
-        runs = synthetic.draw(truth, noise, np.random.default_rng(args.seed + draw), shape, synthetic.Curves(fractions=()))
+        rng = np.random.default_rng(args.seed + draw)
+        if planned is not None:
+            runs = synthetic.at_runs(truth, noise, rng, planned)
+        else:
+            shape = synthetic.Shape(lo=lo, hi=hi, budgets=budgets, sizes=args.sizes, spread=args.spread,
+                                    non_embedding=1.0)
+            runs = synthetic.draw(truth, noise, rng, shape, synthetic.Curves(fractions=()))
         found = intervals.bootstrap(runs, intervals.fit_all(runs, noise_sd=noise), n=args.resamples, seed=draw,
                                     noise_sd=noise, processes=1)
         for key in widths:
             if found.get(key, {}).get("half_width") is not None:
                 widths[key].append(found[key]["half_width"])
-    return {"lo": lo, "hi": hi, "budgets": budgets, "runs": budgets * args.sizes,
+    return {"lo": lo, "hi": hi, "budgets": budgets, "runs": len(runs), "ladder": args.ladder,
             **{f"{k}_half_width": statistics.median(v) if v else None for k, v in widths.items()}}
 
 
@@ -98,7 +123,11 @@ def main(argv=None) -> int:
     p.add_argument("--bias", type=int, default=0, metavar="DRAWS",
                    help="each approach's bias at the report's own runs over DRAWS sweeps (0: not run)")
     p.add_argument("--sizes", type=int, default=7)
-    p.add_argument("--spread", type=float, default=6.0, help="largest over smallest size of a budget")
+    p.add_argument("--spread", type=float, default=6.0, help="largest over smallest size of a budget (free sizes)")
+    p.add_argument("--ladder", action="store_true",
+                   help="draw at the sweep's own plan (the ladder's shapes, its windows, the upper ones centred on "
+                        "the surface's optimum) instead of sizes spread freely: where the ladder ends above a small "
+                        "budget's optimum, that budget tells less")
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--resamples", type=int, default=200)
     p.add_argument("--seed", type=int, default=100)

@@ -451,6 +451,27 @@ def test_bootstrap_in_processes_equals_one_process(seed):
     assert one == two and one["a3_a"]["samples"] == 4
 
 
+def test_design_study_on_the_ladder_draws_the_sweeps_own_plan(tmp_path):
+    """--ladder draws at the runs the sweep itself plans (its ladder's shapes, 7 a budget) and fits
+    them; below 1e15 the ladder ends above the optimum, so those budgets narrow a less than free sizes
+    spread around it would."""
+    from benchmarks import scaling_design
+
+    truth, _ = scaling_design.surface_of(json.loads(open(scaling_design.REPORT).read()))
+    runs = scaling_design.ladder_runs(truth, (2.236e14, 2e16, 10), 7)
+    shapes = {m.total_params() for m in plan.ladder_models(plan.BYTE_VOCAB)}
+    assert len(runs) == 70 and {r["params"] for r in runs} <= shapes
+    assert min(r["params"] for r in runs) == min(shapes)  # the smallest budget's window starts at the ladder's bottom
+    out = tmp_path / "design.json"
+    args = ["--designs", "2.236e14,2e16,10", "--draws", "2", "--resamples", "30", "--out", str(out)]
+    assert scaling_design.main([*args, "--ladder"]) == 0
+    ladder = json.loads(out.read_text())["designs"][0]
+    assert scaling_design.main(args) == 0
+    free = json.loads(out.read_text())["designs"][0]
+    assert ladder["ladder"] and ladder["runs"] == 70 and not free["ladder"]
+    assert free["a3_a_half_width"] < ladder["a3_a_half_width"]
+
+
 def test_throughput_per_size_from_the_committed_runs():
     """MFU per model size and batch, from each run's measured time and the stated count of FLOPs."""
     runs = json.load(open(COMMITTED))["runs"]

@@ -55,8 +55,7 @@ def ladder_runs(truth: dict, design: tuple, sizes: int) -> list[dict]:
     lo, hi, budgets = design
     d = design_mod.Design(budget_lo=lo, budget_hi=hi, n_budgets=budgets, sizes_per_budget=sizes,
                           lower_budgets=min(budgets, design_mod.Design.lower_budgets))
-    opt = surface.optimum(truth)
-    centres = {c: opt["G"] * (c / 6) ** opt["a"] for c in d.budgets()[d.lower_budgets:]}
+    centres = {c: synthetic.optimal_params(truth, c) for c in d.budgets()[d.lower_budgets:]}
     models, hp, rule = plan.ladder_models(plan.BYTE_VOCAB), plan.HParams(), plan.LRRule()
     return [{"name": r.model.name, "params": r.model.total_params(), "non_embedding_params": r.model.non_embedding_params(),
              "budget": r.budget, "compute": r.compute, "tokens": r.tokens, "curve": []}

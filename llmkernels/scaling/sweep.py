@@ -25,9 +25,10 @@ Several GPUs: one training process per GPU (--workers, default every visible GPU
 process, or --workers N) takes the next run of a stage as it comes free; a stage ends when its last
 run does, so the plan and every result are those of one GPU. --runs-per-device K trains K runs at
 once in each process (threads, each on its own CUDA stream), so that small models' kernels
-overlap (a modest gain: measure it on the machine); each run's result is still its own alone. --archive packs the output's small
-files after every finished run, so that a call killed at its time limit loses only the runs in
-flight; --restore in the next call (a fresh machine) resumes from there.
+overlap (a modest gain: measure it on the machine); each run's result is still its own alone.
+--archive packs the output's small files after every finished run, so that a call killed at its
+time limit loses only the runs in flight; --restore in the next call (a fresh machine) resumes
+from there.
 
 A replicate: the same command with another --seed (initialisation and data order of every run),
 then --compare A B sets the two sweeps' exponents side by side.

@@ -168,6 +168,26 @@ def test_window_batch_rule_and_lr_schedule():
     assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1)
 
 
+def test_batch_check_at_the_smallest_budget_of_each_batch():
+    """With a rule that grows the batch with the budget, the batch check halves the batch at the
+    smallest budget of each batch (where that batch's runs take the fewest steps), not only at the
+    smallest budget; ``batch_budgets`` overrides the choice, and an index past the budgets is refused."""
+    hp = plan.HParams(batch_rule=plan.parse_batch_rule("3.2e14:16,9e14:32,64"))
+    d = design_mod.Design(budget_lo=2.2360679775e14, budget_hi=2e16, n_budgets=14)
+    assert d.batch_budget_indices(hp) == (0, 2, 5)
+    assert [hp.batch(c) for c in d.budgets()][:6] == [16, 16, 32, 32, 32, 64]
+    models = plan.ladder_models(plan.BYTE_VOCAB)
+    runs = d.lower(models, plan.LRRule(), hp) + d.upper(models, plan.LRRule(), hp, None)
+    checks = [r for r in runs if r.stage == "batch"]
+    cs = d.budgets()
+    assert sorted({(r.budget, r.batch_size) for r in checks}) == [(cs[0], 8), (cs[2], 16), (cs[5], 32)]
+    assert len(checks) == 3 * d.batch_check_sizes
+    assert design_mod.Design().batch_budget_indices(plan.HParams()) == (0,)  # one batch: the smallest alone
+    assert design_mod.Design(batch_budgets=(-1,)).batch_budget_indices(hp) == (4,)
+    with pytest.raises(ValueError, match="batch check's budgets"):
+        design_mod.Design(batch_budgets=(5,))
+
+
 def test_step_cost_matches_the_committed_h100_runs():
     """The GPU-time model behind the default design predicts the step times of the committed 4 x H100
     sweep's runs at the default batch (64 sequences) within 10% each (it was scaled to them)."""
@@ -258,7 +278,8 @@ def test_interrupted_run_resumes_exactly(tmp_path):
 def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     """The whole pipeline at tiny sizes: a learning-rate sweep (extended where its best rate is an edge),
     two lower budgets, then two upper budgets centred on their fit, a second seed, the batch check;
-    every fit written, no empty file left. Stopped by its time limit it resumes from the checkpoint,
+    every fit written, no empty file left (the batch check at the smallest budget of each of the two
+    batches). Stopped by its time limit it resumes from the checkpoint,
     a third invocation retrains nothing, and with a run missing the report still comes, exit 3."""
     args = ["--out", str(tmp_path), *TINY, *TINY_LR, "--backend", "reference"]
     assert sweep.main([*args, "--time-limit", "0"]) == runner.EXIT_INCOMPLETE
@@ -270,13 +291,13 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     rep = json.loads((tmp_path / "report.json").read_text())
     an, runs = rep["analysis"], rep["runs"]
     stages = [r["stage"] for r in runs]
-    assert stages.count("sweep") == 12 and stages.count("seed") == 3 and stages.count("batch") == 1
+    assert stages.count("sweep") == 12 and stages.count("seed") == 3 and stages.count("batch") == 2
     assert stages.count("lr") >= 3 and len({r["budget"] for r in runs if r["stage"] == "sweep"}) == 4
     assert all(set(report.RUN_FIELDS) <= set(r) for r in runs)
     assert {r["batch"] for r in runs if r["stage"] == "sweep"} == {4, 8}
     for key in ("approach1", "approach2", "approach3", "e_profile", "gate", "intervals", "extrapolation", "lr_rule"):
         assert key in an and an[key] is not None, key
-    assert an["gate"]["ok"] in (True, False) and an["seed_spread"]["n"] == 3 and an["batch_check"]["n"] == 1
+    assert an["gate"]["ok"] in (True, False) and an["seed_spread"]["n"] == 3 and an["batch_check"]["n"] == 2
     assert json.loads((tmp_path / "centres.json").read_text())["runs"]
     md = (tmp_path / "report.md").read_text()
     assert "## Quality gate:" in md and "Porian" in md and "Besiroglu" in md and "bits/byte" in md

@@ -8,7 +8,8 @@ Stages, in order:
   2. ``lower``: the ``lower_budgets`` smallest budgets, each at ``sizes_per_budget`` sizes about
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
      (``tokens_per_param``), a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets`` and half the
-     batch at ``batch_check_sizes`` sizes of ``batch_budget`` (the batch check).
+     batch at ``batch_check_sizes`` sizes of each of ``batch_budgets`` (the batch check; by default the
+     smallest budget of each batch the rule gives, where that batch has the fewest steps).
   3. ``upper``: the other budgets, their windows centred on ``N_opt(C)`` fitted to the lower
      budgets when that fit is good enough, else shrunk toward the prior exponent, and widened by
      the extrapolation's uncertainty (``centre_plan``).
@@ -58,7 +59,7 @@ class Design:
     lr_rounds: int = 2
     seed_budgets: tuple = (0,)
     batch_check_sizes: int = 3
-    batch_budget: int = 0
+    batch_budgets: tuple | None = None
     backend_check: int | None = None
     backend: str = "kernels"
     check_backend: str = "reference"
@@ -68,8 +69,8 @@ class Design:
         n = self.n_budgets
         if not 1 <= self.lower_budgets <= n:
             raise ValueError(f"lower budgets must be 1..{n}, got {self.lower_budgets}")
-        if not -n <= self.batch_budget < n:
-            raise ValueError(f"the batch check's budget must index the {n} budgets, got {self.batch_budget}")
+        if any(not -n <= i < n for i in self.batch_budgets or ()):
+            raise ValueError(f"the batch check's budgets must index the {n} budgets, got {self.batch_budgets}")
         for name in ("seed_budgets", "lr_budgets"):
             if any(not 0 <= i < n for i in getattr(self, name) or ()):
                 raise ValueError(f"{name} must index the {n} budgets, got {getattr(self, name)}")
@@ -97,6 +98,14 @@ class Design:
         batches = [hp.batch(c) for c in self.budgets()[: self.lower_budgets]]
         other = batches.index(max(batches))
         return (0, other) if other else (0,) if len(set(batches)) == 1 else (0, 1)
+
+    def batch_budget_indices(self, hp: HParams) -> tuple:
+        """The given ones, or the smallest budget of each batch the rule gives: a batch's runs there
+        take the fewest steps, so it is where halving the batch would change the loss most."""
+        if self.batch_budgets is not None:
+            return tuple(sorted({i % self.n_budgets for i in self.batch_budgets}))
+        batches = [hp.batch(c) for c in self.budgets()]
+        return tuple(i for i, b in enumerate(batches) if i == 0 or b != batches[i - 1])
 
     def lr_run(self, compute: float, model: ModelConfig, mult: float, hp: HParams) -> Run:
         return make_run("lr", compute, model, LRRule(), hp, seed=self.seed, backend=self.backend, lr_mult=mult)
@@ -131,7 +140,7 @@ class Design:
                      for m in sizes]
         if index == self.backend_check:
             runs += [make_run("backend", c, m, rule, hp, seed=self.seed, backend=self.check_backend) for m in sizes]
-        if index == self.batch_budget % self.n_budgets and self.batch_check_sizes > 0 and hp.batch(c) >= 2:
+        if index in self.batch_budget_indices(hp) and self.batch_check_sizes > 0 and hp.batch(c) >= 2:
             k = self.batch_check_sizes
             picks = sorted({round((j + 1) * (len(sizes) - 1) / (k + 1)) for j in range(k)})
             runs += [make_run("batch", c, sizes[j], rule, hp, seed=self.seed, backend=self.backend,
@@ -198,7 +207,7 @@ def design_from(args) -> tuple[Design, HParams, list]:
                         min_tokens_per_param=args.min_tokens_per_param, lr_budgets=_indices(args.lr_budgets),
                         lr_sizes=args.lr_sizes, lr_mults=_floats(args.lr_mults), lr_rounds=args.lr_rounds,
                         seed_budgets=tuple(i for i in _indices(args.seed_budgets) or () if i < count),
-                        batch_check_sizes=args.batch_check, batch_budget=args.batch_budget, backend_check=args.backend_check, backend=args.backend,
+                        batch_check_sizes=args.batch_check, batch_budgets=_indices(args.batch_budgets), backend_check=args.backend_check, backend=args.backend,
                         check_backend="reference" if args.backend == "kernels" else "kernels", seed=args.seed)
         hp = HParams(batch_rule=parse_batch_rule(args.batch_rule), warmup_frac=args.warmup_frac,
                      weight_decay=args.weight_decay)

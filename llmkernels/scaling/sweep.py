@@ -1,7 +1,7 @@
 """Compute-optimal scaling laws on llmkernels: IsoFLOP sweeps of small Llama-style models and the
 Chinchilla fits (approaches 1, 2 and 3), with bootstrap and profile-likelihood intervals, a quality
 gate, an extrapolation check, a learning-rate rule fitted from its own sweep, a second seed and a
-batch check at the smallest budget.
+batch check at the smallest budget of each batch.
 
 Stages, each resumable (a finished run is read back, never retrained; an interrupted one resumes
 from its checkpoint):
@@ -9,7 +9,7 @@ from its checkpoint):
   2. lr: a learning-rate sweep at the smallest budget (extended where the best rate is an edge of
      those tried); the learning-rate rule is fitted from it.
   3. lower: the lower budgets at sizes around the prior optimum, a second seed at the smallest and
-     half the batch at three sizes of it.
+     half the batch at three sizes of it (and of the smallest budget of each other batch).
   4. upper: the other budgets at sizes centred on N_opt(C) fitted to the lower ones.
   5. report: report.md, report.json and the figures in the output folder (also from an unfinished
      sweep: whatever its runs allow).
@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
                    help=f"budgets (0 = smallest) rerun with seed + {SEED_CHECK_OFFSET}; empty: none (default: %(default)s)")
     g.add_argument("--batch-check", metavar="N", type=int, default=d.batch_check_sizes,
-                   help="sizes of --batch-budget rerun at half its batch; 0: none (default: %(default)s)")
-    g.add_argument("--batch-budget", metavar="INDEX", type=int, default=d.batch_budget,
-                   help="the budget of the batch check (0 = smallest, -1 = largest) (default: %(default)s)")
+                   help="sizes of each --batch-budgets budget rerun at half its batch; 0: none (default: %(default)s)")
+    g.add_argument("--batch-budgets", metavar="I,I", default=None,
+                   help="budgets of the batch check (0 = smallest, -1 = largest) (default: the smallest budget of "
+                        "each batch the rule gives)")
     g.add_argument("--backend-check", metavar="INDEX", type=int, default=None,
                    help="rerun this budget (0 = smallest) on the other backend (default: none)")
     g = p.add_argument_group("hyperparameters")

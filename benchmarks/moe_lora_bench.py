@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +51,8 @@ def batches(steps: int, batch: int, seq: int, vocab: int, device) -> list:
 
 
 def profile(model, data: list, device, path: str) -> None:
-    """Writes the device-time table of a few more steps, to see where a provider's step goes."""
+    """Writes the device-time table of a few more steps, to see where a provider's step goes, and
+    the host-time table (self CPU), to see where a host-bound step goes."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
@@ -62,16 +64,18 @@ def profile(model, data: list, device, path: str) -> None:
             opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+    table = prof.key_averages().table
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
-                                          max_name_column_width=90))
+        if cuda:
+            f.write(table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90) + "\n")
+        f.write(table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
 
 
 def train(model, data: list, device) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     model.train()
-    losses, start = [], None
+    losses, host, start = [], [], None
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -81,17 +85,21 @@ def train(model, data: list, device) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
+        queued = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        host.append(time.perf_counter() - queued)  # the host's time to queue the step, before .item() waits
         losses.append(loss.item())
     if device.type == "cuda":
         torch.cuda.synchronize()
     timed = len(data) - WARMUP
     seconds = time.perf_counter() - start if start is not None else float("nan")
     record = {"losses": losses, "trainable_params": sum(p.numel() for p in params),
-              "tokens_per_s": timed * data[0].numel() / seconds if timed > 0 else None}
+              "tokens_per_s": timed * data[0].numel() / seconds if timed > 0 else None,
+              "step_ms": 1e3 * seconds / timed if timed > 0 else None,
+              "host_ms": 1e3 * statistics.median(host[WARMUP:]) if timed > 0 else None}
     if device.type == "cuda":
         record["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     return record
@@ -156,14 +164,18 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "moe_lora_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Expert LoRA r={RANK}, random-init Qwen3-MoE ({result['meta']['device']}, {result['meta']['date']})",
-             "", f"{steps} AdamW steps of {batch} x {seq} tokens, bf16; tokens/s after {WARMUP} steps", "",
-             "| run | tokens/s | peak GiB | first loss | last loss | status |", "|---|---|---|---|---|---|"]
+             "", f"{steps} AdamW steps of {batch} x {seq} tokens, bf16; tokens/s after {WARMUP} steps; host ms: the "
+             "median time to queue a step (forward, backward, optimizer) before waiting for its loss: near the step's "
+             "time, the host sets the pace", "",
+             "| run | tokens/s | ms a step | host ms | peak GiB | first loss | last loss | status |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in result["runs"].items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | - | - | - | - | {r['status']} |")
+            lines.append(f"| {name} | - | - | - | - | - | - | {r['status']} |")
             continue
-        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
-        lines.append(f"| {name} | {tps} | {r.get('peak_gib', float('nan')):.2f} | {r['losses'][0]:.4f} | "
+        tps, step, host = (f"{r[k]:.{p}f}" if r.get(k) else "-" for k, p in
+                           (("tokens_per_s", 0), ("step_ms", 1), ("host_ms", 1)))
+        lines.append(f"| {name} | {tps} | {step} | {host} | {r.get('peak_gib', float('nan')):.2f} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} | ok |")
     with open(os.path.join(args.out, "moe_lora_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -16,6 +16,7 @@ from llmkernels import reference
 from llmkernels.ops import _device
 from llmkernels.ops.norm import (BACKWARD, FORWARD, FWD_PLANS, BwdConfig, FwdConfig, NormKey, SplitBwdConfig,
                                  SplitFwdConfig, backward_config, forward_config)
+from llmkernels.ops.norm import tables
 from llmkernels.ops.norm.tables import tuned_name
 from tests.helpers import assert_close
 from tests.test_norm import WIDEST_TESTED, _launchable
@@ -84,13 +85,17 @@ def test_depth_follows_bandwidth_per_multiprocessor():
 def test_deeper_device_gets_deeper_launchable_configs():
     """At depth 2 every configuration stays launchable and differs from the H100's only in its
     bytes-in-flight knobs: pipelining stages, or split programs a multiprocessor (twice as many of
-    half the slice); the wide rows' split and pipelined backward do get deeper."""
+    half the slice); the wide rows' split and pipelined backward do get deeper. Wide 2-byte
+    RMSNorm rows without a residual take the H200's tuned forward instead: split from 16385
+    columns on (32768 included), pipelined, read through TMA."""
     changed = set()
     for key in _keys(H200.depth):
         for make in (forward_config, backward_config):
             deep, base = make(key), make(key._replace(depth=1))
             assert _launchable(deep, key.n), (key, deep)
-            if deep != base:
+            if make is forward_config and tables.FORWARD.entry(key).when[-1:] == (tables.deep_device,):
+                assert deep == SplitFwdConfig(4096, 4, 4, stages=3, tma=True), (key, deep)
+            elif deep != base:
                 changed.add(type(deep))
                 if isinstance(deep, SplitFwdConfig):
                     assert deep.per_sm == 2 * base.per_sm and deep.block_n * 2 == base.block_n
@@ -101,7 +106,11 @@ def test_deeper_device_gets_deeper_launchable_configs():
                         getattr(base, "prefetch", 0) + getattr(base, "stages", 0))
     assert changed == {SplitFwdConfig, SplitBwdConfig, BwdConfig}
     wide = NormKey(True, torch.bfloat16, False, 131072, 1024, 132, True, H200.depth)
-    assert forward_config(wide) == SplitFwdConfig(4096, 4, 4) and backward_config(wide).stages == 4
+    assert forward_config(wide) == SplitFwdConfig(4096, 4, 4, stages=3, tma=True) and backward_config(wide).stages == 4
+    assert forward_config(wide._replace(n=32768)) == forward_config(wide)  # split, not the H100's one pass
+    for other in (wide._replace(residual=True), wide._replace(is_rms=False), wide._replace(dtype=torch.float32),
+                  wide._replace(split=False), wide._replace(n=16384)):
+        assert not getattr(forward_config(other), "tma", False), other
 
 
 def test_records_round_trip():

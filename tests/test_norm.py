@@ -351,15 +351,21 @@ def test_split_forward_wide_row_candidates(is_rms, dtype, parts, tma, lag, devic
 
 
 def test_split_forward_tuned_tma_read_where_it_cannot_run(monkeypatch, device):
-    """A tuned cache's TMA read (made on another machine) where it cannot run here, a slice short
-    of 128 bytes or a Triton without tensor descriptors, is read without TMA, not refused: only
-    a caller's own config is refused."""
+    """A tuned cache's or the table's TMA read where it cannot run here, a slice short of 128
+    bytes, a Triton without tensor descriptors or a GPU older than Hopper, is read without TMA,
+    not refused: only a caller's own config is refused."""
     w = torch.randn(32, device=device)
     monkeypatch.setattr(launchers, "forward_config", lambda key, tuned=None: SplitFwdConfig(32, 4, 2, 3, tma=True))
     FWD_PLANS.clear()
     try:
         check_norm(True, torch.randn(4, 32, device=device, dtype=torch.bfloat16) + 2.0, w)  # 64-byte slices
         monkeypatch.setattr(launchers, "TensorDescriptor", None)
+        check_norm(True, torch.randn(8, 32, device=device) + 2.0, w)
+        assert FWD_PLANS and all(plan.tma_block == 0 for plan in FWD_PLANS.values())
+        FWD_PLANS.clear()
+        monkeypatch.undo()
+        monkeypatch.setattr(launchers, "forward_config", lambda key, tuned=None: SplitFwdConfig(32, 4, 2, 3, tma=True))
+        monkeypatch.setattr(launchers, "_tma_device", lambda index: False)  # a GPU older than Hopper
         check_norm(True, torch.randn(8, 32, device=device) + 2.0, w)
         assert FWD_PLANS and all(plan.tma_block == 0 for plan in FWD_PLANS.values())
     finally:
@@ -824,15 +830,16 @@ def test_tables_cover_every_width(table):
 @pytest.mark.parametrize("table", [FORWARD, BACKWARD], ids=["forward", "backward"])
 def test_every_table_entry_is_taken_and_names_kept_results(table):
     """No entry is shadowed by the ones before it: each is the first match for some key (its
-    widths, 1 / 8 / 200 / 4096 rows, 132 multiprocessors, the split allowed or not, decode rows
-    where it has them); and each names results files kept under benchmarks/results/."""
+    widths, 1 / 8 / 200 / 4096 rows, 132 multiprocessors, the split allowed or not, the H100's
+    depth or the H200's, decode rows where it has them); and each names results files kept under
+    benchmarks/results/."""
     results = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
     for entry in table.entries:
-        keys = (NormKey(is_rms, _entry_dtype(entry, size), residual, n, m, 132, split)
+        keys = (NormKey(is_rms, _entry_dtype(entry, size), residual, n, m, 132, split, depth)
                 for n in range(entry.widths[0], min(entry.widths[1], entry.widths[0] + 8192) + 1)
-                for is_rms, size, residual, m, split in itertools.product(
+                for is_rms, size, residual, m, split, depth in itertools.product(
                     entry.kinds, entry.elem_sizes or (2, 4), entry.residual or (False, True), (1, 8, 200, 4096),
-                    (True, False)))
+                    (True, False), (1, 2)))
         assert any(table.entry(key, decode=entry.decode is not None) is entry for key in keys), entry
         assert entry.source and all(isinstance(path, str) for path in entry.source), entry
         for path in entry.source:

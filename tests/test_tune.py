@@ -2,6 +2,7 @@
 against the float64 reference, the cache written after each task, a second run resuming with
 nothing left, a budget stopping between tasks, and the written cache read back as the device's
 configurations."""
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,8 @@ from llmkernels.ops.norm import NormKey, backward_config, forward_config
 from llmkernels.ops.norm.configs import CONFIGS
 from llmkernels.ops.norm.tables import tuned_name
 from tests.conftest import INTERPRETED
+
+H200_MODEL = dataclasses.replace(_device.REFERENCE, name="NVIDIA H200", copy_gbps=4130.0)
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--tiny is the CPU check; the GPU runs the real search")
 
@@ -90,3 +93,8 @@ def test_wide_forward_tries_the_tma_read_early_where_it_runs(tma, width):
     reads = [getattr(config, "tma", False) for config in forward.candidates]
     assert any(reads) == tma
     assert not tma or reads.index(True) <= 2
+    # an H200, whose table already reads through TMA: the plain pipelined read is still a rival
+    (deep,) = [task for task in spaces.norm_tasks(H200_MODEL, (width,), ("rmsnorm",), limit=4, tma=True)
+               if task.mode == "fwd"]
+    assert deep.heuristic.tma and [c.tma for c in deep.candidates[:2]] == [True, False]
+    assert deep.candidates[1] == dataclasses.replace(deep.heuristic, tma=False)

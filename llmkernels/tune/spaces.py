@@ -77,13 +77,19 @@ def _fits(config, n: int) -> bool:
 
 
 def _pipelined(config, tma: bool) -> list:
-    """A split forward's pipelined twin (none for None) and, where ``tma``, the same reading x
-    through TMA (next in line, so that a search cut short still tries them: they measured best at
-    wide rows on an H200, benchmarks/results/wide-rows-h200-2026-11-28/)."""
+    """A split forward's pipelined twin reading x plainly (none for None) and, where ``tma``, the
+    same reading x through TMA (next in line, so that a search cut short still tries them: they
+    measured best at wide rows on an H200, benchmarks/results/wide-rows-h200-2026-11-28/). Where
+    the heuristic itself reads through TMA (a deep device's table), the plain twin stays its rival."""
     if not isinstance(config, SplitFwdConfig):
         return []
-    piped = config if config.stages else dataclasses.replace(config, stages=3)
+    piped = dataclasses.replace(config, stages=config.stages or 3, tma=False)
     return [piped, dataclasses.replace(piped, tma=True)] if tma else [piped]
+
+
+def _readable(config, tma: bool):
+    """``config``, reading x plainly where this machine has no TMA read (a deep device's table asks for it)."""
+    return config if tma or not getattr(config, "tma", False) else dataclasses.replace(config, tma=False)
 
 
 def tma_here() -> bool:
@@ -154,8 +160,9 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
         # the pipelined and TMA twins of the first split: the heuristic's, or a neighbour's where the
         # heuristic reads the row in one pass (32K columns on an H200)
         split = next((c for c in (heuristic, *near) if isinstance(c, SplitFwdConfig)), None)
-        candidates = _unique([heuristic, *_pipelined(split, tma), *(choose(key._replace(depth=d)) for d in DEPTHS),
-                              *near])
+        candidates = _unique(_readable(c, tma) for c in (heuristic, *_pipelined(split, tma),
+                                                         *(choose(key._replace(depth=d)) for d in DEPTHS), *near))
+        heuristic = _readable(heuristic, tma)
         candidates = tuple(c for c in candidates if _fits(c, n))[:limit or None]
         public = functools.partial(llmkernels.rms_norm if is_rms else llmkernels.layer_norm,
                                    eps=RMS_EPS if is_rms else LN_EPS, **({"prenorm": True} if residual else {}))

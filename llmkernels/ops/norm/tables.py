@@ -153,6 +153,11 @@ def row_split(key: NormKey) -> bool:
     return key.split
 
 
+def deep_device(key: NormKey) -> bool:
+    """The device needs more loads in flight a multiprocessor than the H100 (the H200)."""
+    return key.depth >= 2
+
+
 def partial_slices(key: NormKey) -> bool:
     """The row is not a multiple of ``WHOLE_SLICE``: its last slice would be partly masked."""
     return key.n % WHOLE_SLICE != 0
@@ -268,6 +273,7 @@ BWD_SPLIT_SKEWED = _T23 + "16-split-bwd-pipelined-skewed.json"
 BWD_RMS_WIDE = _T22 + "2-sweep-rms-wide.json"
 BWD_DECODE_BY_COLUMNS = _D24 + "3-decode_sweep-dw-by-columns.json"
 BWD_RAGGED = _T25 + "3-fwd-tail-rule-ab-and-bwd-ragged.txt"
+NORM_TMA_H200 = ("norm-tma-h200-2026-11-28/tune.json", "norm-tma-h200-2026-11-28/tune_32768.json")
 BWD_RMS_FP32 = _T23 + "11-bwd-rms-fp32-sweep.json"
 BWD_LN_FP32 = _T23 + "11-bwd-ln-fp32-sweep.json"
 
@@ -275,6 +281,11 @@ _RMS_ROWS = FwdRows(tile=8192)
 _LN_ROWS = FwdRows(tile=4096)
 
 FORWARD = Table(
+    # on a device that needs more loads in flight (the H200), wide 2-byte RMSNorm rows are split
+    # with their loads pipelined and read through TMA, 4096 x 4 warps, 4 an SM once deepened: the
+    # H200's tune chose exactly that at every wide width it searched, 32768 included
+    Entry(RMS, TWO, NO_RES, (16385, WIDEST), SplitFwdConfig(WHOLE_SLICE, 8, 2, stages=3, tma=True), NORM_TMA_H200,
+          when=(row_split, deep_device)),
     # a 2-byte row that fills the one-pass tile stays in one pass
     Entry(RMS, TWO, NO_RES, (FWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX), _RMS_ROWS, (SPLIT_FWD_RMS_NARROW,)),
     Entry(LN, TWO, NO_RES, (FWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX), _LN_ROWS, (SPLIT_FWD_LN_NARROW,)),

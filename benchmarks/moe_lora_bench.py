@@ -7,6 +7,7 @@ through PEFT's format). Reports tokens/s (steps after the first three), the peak
 training loop and the losses of every step.
 
     python benchmarks/moe_lora_bench.py            # GPU
+    python benchmarks/moe_lora_bench.py --compile  # GPU, also both under torch.compile (an error is a row)
     python benchmarks/moe_lora_bench.py --tiny     # CPU (Triton's interpreter): a tiny model, 3 steps
 
 Writes ``moe_lora_bench.json`` and ``.md`` under ``--out`` (default ``$OUT``, else
@@ -105,6 +106,15 @@ def train(model, data: list, device) -> dict:
     return record
 
 
+def compiled_run(model, data: list, device) -> dict:
+    """``train`` of ``torch.compile(model)``, or the error that stopped it (recorded, not raised:
+    the eager runs beside it stand)."""
+    try:
+        return {"status": "ok", **train(torch.compile(model), data, device)}
+    except Exception as e:  # noqa: BLE001 - a peer that does not compile is a row of the table
+        return {"status": f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true")
@@ -114,6 +124,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or "moe-lora-bench")
     parser.add_argument("--profile", action="store_true",
                         help="after each run, profile a few more steps into moe_lora_profile_<run>.txt")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run transformers + PEFT and llmkernels under torch.compile (GPU; the first "
+                             "steps, compilation included, are not timed)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     tiny = device.type == "cpu"
@@ -148,13 +161,21 @@ def main(argv=None) -> int:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for name, switches in (("llmkernels", {}), ("llmkernels (experts only)",
-                                                    dict(rms_norm=False, rope=False, cross_entropy=False, mlp=False))):
+            if args.compile and not tiny:
+                model = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter, is_trainable=True)
+                result["runs"]["transformers+peft, torch.compile"] = compiled_run(model, data, device)
+                del model
+                torch.cuda.empty_cache()
+        runs = [("llmkernels", {}, False),
+                ("llmkernels (experts only)", dict(rms_norm=False, rope=False, cross_entropy=False, mlp=False), False)]
+        for name, switches, compiled in runs + ([("llmkernels, torch.compile", {}, True)] if args.compile and not tiny
+                                                else []):
             model = copy.deepcopy(base)
             llmkernels.patch(model, **switches)
             llmkernels.load_expert_lora(model, adapter)
-            result["runs"][name] = {"status": "ok", **train(model, data, device)}
-            if args.profile:
+            result["runs"][name] = (compiled_run(model, data, device) if compiled
+                                    else {"status": "ok", **train(model, data, device)})
+            if args.profile and not compiled:
                 slug = re.sub(r"\W+", "_", name).strip("_")
                 profile(model, data, device, os.path.join(args.out, f"moe_lora_profile_{slug}.txt"))
             del model

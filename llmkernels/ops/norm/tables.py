@@ -274,10 +274,12 @@ BWD_RMS_WIDE = _T22 + "2-sweep-rms-wide.json"
 BWD_DECODE_BY_COLUMNS = _D24 + "3-decode_sweep-dw-by-columns.json"
 BWD_RAGGED = _T25 + "3-fwd-tail-rule-ab-and-bwd-ragged.txt"
 NORM_TMA_H200 = ("norm-tma-h200-2026-11-28/tune.json", "norm-tma-h200-2026-11-28/tune_32768.json")
+RMS_FWD_DEEP = "norm-deep-h200-2026-11-27/rms-fwd-searches.json"
 BWD_RMS_FP32 = _T23 + "11-bwd-rms-fp32-sweep.json"
 BWD_LN_FP32 = _T23 + "11-bwd-ln-fp32-sweep.json"
 
 _RMS_ROWS = FwdRows(tile=8192)
+_RMS_ROWS_DEEP = FwdRows(tile=4096, warp_elements=512)
 _LN_ROWS = FwdRows(tile=4096)
 
 FORWARD = Table(
@@ -314,6 +316,10 @@ FORWARD = Table(
     # residual add no faster)
     Entry(BOTH, ANY, NO_RES, (4097, 16384), FwdTail(), (BWD_RAGGED, _T25 + "8-fwd-eighth-tail.txt"),
           when=(eighth_tail,)),
+    # on a deep device, 2-byte RMSNorm rows of 1024-8192 without a residual: half the rows a
+    # program and 16 elements a thread, more programs in flight (the H200's tune: best or within
+    # 2 points at 1024, 2304, 4096 and 8192, up to 8 points over the H100's rows)
+    Entry(RMS, TWO, NO_RES, (1024, 8192), _RMS_ROWS_DEEP, (RMS_FWD_DEEP,), when=(deep_device,)),
     # whole rows in registers, 32 elements a thread
     Entry(RMS, ANY, ANY, (1, FWD_ONE_PASS_MAX), _RMS_ROWS,
           (FWD_SMALL_N, _T24 + "15-fwd-warps-stats-and-bwd-ln-ragged.txt")),

@@ -9,7 +9,8 @@ row that matches the key is taken. Decode rows (``decode=``) are skipped at firs
 configuration found without them would launch too few row tiles to fill the GPU (their
 predicate), the first row that matches with them is taken. The rows hold what the H100 of the
 results needs; a device that needs more loads in flight per multiprocessor (``NormKey.depth``,
-``_device.DeviceModel.depth``) gets each configuration ``deepened``. Where ``llmkernels tune``
+``_device.DeviceModel.depth``) gets each configuration ``deepened``, and rows of its own
+(``deep_device``) where the H200's tune measured better. Where ``llmkernels tune``
 measured a key of training sizes on this device, its cache gives the configuration instead.
 """
 from __future__ import annotations

@@ -122,6 +122,20 @@ def test_deeper_device_gets_deeper_launchable_configs():
                                                                                                 depth=1))
 
 
+def test_rope_keeps_its_step_on_a_deep_device(monkeypatch):
+    """RoPE's rule is the H100's on every device without a tuned entry (a larger step measured
+    slower on the H200); the tune still tries the larger steps."""
+    from llmkernels.ops.configs import rope
+    from llmkernels.tune import spaces
+
+    monkeypatch.setattr(_device, "model_of", lambda device: H200)
+    monkeypatch.setattr(_device, "tuned_of", lambda device: _device.NONE)
+    assert rope.rope_tiles(128, 32, 8, torch.device("cpu")) == rope.DEFAULT_TILES
+    (task,) = spaces.rope_tasks()
+    assert task.heuristic == rope.DEFAULT_TILES
+    assert {rope.RopeTiles(2048, 4), rope.RopeTiles(4096, 4)} <= set(task.candidates)
+
+
 def test_records_round_trip():
     """Every family's configuration survives the tuned cache's JSON."""
     from llmkernels.ops.configs import cross_entropy as ce

@@ -94,7 +94,7 @@ def tasks_of(args, model) -> list:
     norm_ops = tuple(args.norm_ops.split(",")) if args.norm_ops else tuple(spaces.NORM_OPS)
     norm = spaces.norm_tasks(model, widths, norm_ops, rows=tiny.get("norm_rows"), limit=limit, tma=spaces.tma_here()) \
         if "norm" in families else []
-    rope = spaces.rope_tasks(model, tiny.get("seq", spaces.ROPE_SEQ), tiny.get("rope_rows"), limit) \
+    rope = spaces.rope_tasks(tiny.get("seq", spaces.ROPE_SEQ), tiny.get("rope_rows"), limit) \
         if "rope" in families else []
     return ([t for t in ce if t.part == "split_inplace"] + norm + rope + [t for t in ce if t.part != "split_inplace"])
 

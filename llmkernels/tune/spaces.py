@@ -212,10 +212,11 @@ def _rope_call(tiles: rope.RopeTiles):
     return fwd
 
 
-def rope_tasks(model: _device.DeviceModel, seq: int = ROPE_SEQ, rows: Optional[int] = None, limit: int = 0) -> list:
-    """RoPE's task at the benchmark's (Llama's) heads: elements a step and warps."""
-    heuristic = rope.DEFAULT_TILES.deepened(model.depth)
-    candidates = _unique([heuristic, *(rope.DEFAULT_TILES.deepened(d) for d in DEPTHS),
-                          *(rope.RopeTiles(tile, warps) for tile, warps in ((2048, 8), (4096, 8), (512, 4)))])
+def rope_tasks(seq: int = ROPE_SEQ, rows: Optional[int] = None, limit: int = 0) -> list:
+    """RoPE's task at the benchmark's (Llama's) heads: elements a step and warps (the heuristic is
+    the same on every device: ``ops.configs.rope``)."""
+    heuristic = rope.DEFAULT_TILES
+    candidates = _unique([heuristic, *(rope.RopeTiles(tile, warps) for tile, warps in
+                                       ((2048, 4), (4096, 4), (2048, 8), (4096, 8), (512, 4)))])
     return [Task(rope.tuned_name(D, HQ, HK), "rope", seq, rows or ROPE_BATCH, "fwd", heuristic,
                  candidates[:limit or None], _rope_call)]

@@ -3,8 +3,11 @@ choice for a device.
 
 ``RopeTiles`` is the rule (elements of q a program moves a step, and its warps) that makes a
 call's ``RopeConfig`` from its sizes; ``rope_tiles(d, hq, hk, device)`` gives the rule of a
-device: the tuned cache's for these heads (``llmkernels tune``), else ``DEFAULT_TILES``
-deepened to the device's depth (``_device.DeviceModel.depth``).
+device: the tuned cache's for these heads (``llmkernels tune``), else ``DEFAULT_TILES`` on every
+device. Larger steps for a device that needs more bytes in flight did not help: on the H200 the
+tune measured 86.4% of copy at 1024 elements a step against 80.3% at 2048 and 74.1% at 4096
+(``llmkernels/ops/tuned/nvidia-h200.json``, ``rope/128/32/8``), and ``portable.py`` 91.1% against
+84.2% in one process (``benchmarks/results/portable/nvidia-h200-2026-11-28.json``).
 """
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import torch
 
 from .. import _device
 from .._args import next_pow2
-
-MAX_TILE_ELEMENTS = 8192  # 64 elements a thread at 4 warps: no more is held for a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +45,6 @@ class RopeTiles:
         block_t = min(next_pow2(n_tokens), max(1, self.tile_elements // (block_hq * row)))
         return RopeConfig(block_t, block_hq, block_hk, self.num_warps)
 
-    def deepened(self, depth: int) -> "RopeTiles":
-        """``depth`` times the elements a step: a program's loads are all issued before its
-        stores, so a step's size is what it keeps in flight (the programs a multiprocessor are
-        already as many as fit)."""
-        return dataclasses.replace(self, tile_elements=min(MAX_TILE_ELEMENTS, self.tile_elements * depth))
-
 
 # Smaller steps ran faster down to 1024 elements, and 4 warps fastest
 # (benchmarks/results/rope-h100-2026-11-22*.json).
@@ -65,7 +60,7 @@ def tuned_name(d: int, hq: int, hk: int) -> str:
 def rope_tiles(d: int, hq: int, hk: int, device: torch.device) -> RopeTiles:
     """The rule of these heads on ``device``: tuned there, else derived."""
     tuned = _device.tuned_of(device).config(tuned_name(d, hq, hk), RECORDS)
-    return tuned or DEFAULT_TILES.deepened(_device.model_of(device).depth)
+    return tuned or DEFAULT_TILES
 
 
 def rope_config(n_tokens: int, hq: int, hk: int, d: int, tiles: RopeTiles = DEFAULT_TILES) -> RopeConfig:

@@ -136,6 +136,24 @@ def test_rope_keeps_its_step_on_a_deep_device(monkeypatch):
     assert {rope.RopeTiles(2048, 4), rope.RopeTiles(4096, 4)} <= set(task.candidates)
 
 
+def test_cross_entropy_keeps_a_one_slice_row_whole_on_a_deep_device():
+    """A deep device's cross-entropy gets the deepened in-place split only where the H100's split
+    already cuts the row (V above its slice): at V = 32000 the row stays in one program, as the
+    H200's tune chose; the tune's task starts from the same heuristic."""
+    from llmkernels.ops.configs import cross_entropy as ce
+    from llmkernels.tune import spaces
+
+    one_slice = ce.DEFAULT_CONFIG.split_inplace.block_v
+    for v in (32000, one_slice):
+        assert ce.derived_config(v, H200.depth) == ce.DEFAULT_CONFIG
+    for v in (one_slice + 1, 128256, 262144):
+        assert ce.derived_config(v, H200.depth) == ce.DEFAULT_CONFIG.deepened(H200.depth) != ce.DEFAULT_CONFIG
+        assert ce.derived_config(v, 1) == ce.DEFAULT_CONFIG
+    tasks = spaces.ce_tasks(H200, (32000, 128256), rows=8)
+    assert [t.heuristic for t in tasks if t.part == "split_inplace"] == [
+        ce.DEFAULT_CONFIG, ce.DEFAULT_CONFIG.deepened(H200.depth)]
+
+
 def test_records_round_trip():
     """Every family's configuration survives the tuned cache's JSON."""
     from llmkernels.ops.configs import cross_entropy as ce

@@ -153,7 +153,17 @@ def tuned_name(v: int) -> str:
     return f"cross_entropy/{v}"
 
 
+def derived_config(v: int, depth: int) -> CrossEntropyConfig:
+    """The configuration of rows of ``v`` classes on a device of ``depth`` without a tuned entry:
+    ``DEFAULT_CONFIG`` deepened, except where the H100's in-place split holds the row in one slice.
+    Splitting such a row on a deeper device cost the H200 10 points of copy at V = 32000 (83.5%
+    whole against 73.1%, the tune's search in ``ops/tuned/nvidia-h200.json``; ``portable.py`` 89.9%
+    against 78.5%: ``benchmarks/results/portable/nvidia-h200-2026-11-28.json``), where wider rows
+    gained 2 points (128256) or held (262144)."""
+    return DEFAULT_CONFIG if v <= DEFAULT_CONFIG.split_inplace.block_v else DEFAULT_CONFIG.deepened(depth)
+
+
 def ce_config(v: int, device: torch.device) -> CrossEntropyConfig:
     """The configuration of rows of ``v`` classes on ``device``: tuned there, else derived."""
     tuned = _device.tuned_of(device).config(tuned_name(v), RECORDS)
-    return tuned or DEFAULT_CONFIG.deepened(_device.model_of(device).depth)
+    return tuned or derived_config(v, _device.model_of(device).depth)

@@ -88,7 +88,7 @@ def test_deeper_device_gets_deeper_launchable_configs():
     half the slice); the wide rows' split and pipelined backward do get deeper. 2-byte RMSNorm
     rows without a residual take the H200's tuned forward instead: from 16385 columns on (32768
     included) split, pipelined, read through TMA; from 1024 to 8192 columns half the rows a
-    program, 16 elements a thread."""
+    program, 16 elements a thread. LayerNorm's 32768-column rows split as well."""
     changed = set()
     for key in _keys(H200.depth):
         for make in (forward_config, backward_config):
@@ -110,6 +110,7 @@ def test_deeper_device_gets_deeper_launchable_configs():
     wide = NormKey(True, torch.bfloat16, False, 131072, 1024, 132, True, H200.depth)
     assert forward_config(wide) == SplitFwdConfig(4096, 4, 4, stages=3, tma=True) and backward_config(wide).stages == 4
     assert forward_config(wide._replace(n=32768)) == forward_config(wide)  # split, not the H100's one pass
+    assert forward_config(wide._replace(n=32768, is_rms=False)) == SplitFwdConfig(4096, 4, 4)  # LayerNorm: plainly
     for other in (wide._replace(residual=True), wide._replace(is_rms=False), wide._replace(dtype=torch.float32),
                   wide._replace(split=False), wide._replace(n=16384)):
         assert not getattr(forward_config(other), "tma", False), other

@@ -276,6 +276,7 @@ BWD_DECODE_BY_COLUMNS = _D24 + "3-decode_sweep-dw-by-columns.json"
 BWD_RAGGED = _T25 + "3-fwd-tail-rule-ab-and-bwd-ragged.txt"
 NORM_TMA_H200 = ("norm-tma-h200-2026-11-28/tune.json", "norm-tma-h200-2026-11-28/tune_32768.json")
 RMS_FWD_DEEP = "norm-deep-h200-2026-11-27/rms-fwd-searches.json"
+LN_FWD_DEEP = "norm-deep-h200-2026-11-27/ln-fwd-32768-search.json"
 BWD_RMS_FP32 = _T23 + "11-bwd-rms-fp32-sweep.json"
 BWD_LN_FP32 = _T23 + "11-bwd-ln-fp32-sweep.json"
 
@@ -288,6 +289,10 @@ FORWARD = Table(
     # with their loads pipelined and read through TMA, 4096 x 4 warps, 4 an SM once deepened: the
     # H200's tune chose exactly that at every wide width it searched, 32768 included
     Entry(RMS, TWO, NO_RES, (16385, WIDEST), SplitFwdConfig(WHOLE_SLICE, 8, 2, stages=3, tma=True), NORM_TMA_H200,
+          when=(row_split, deep_device)),
+    # ... and LayerNorm's 32768-column rows split too, not read in one pass (81.2% against 74.6%
+    # in the H200's tune), plainly: pipelining costs LayerNorm (split-fwd-h200-2026-11-27/)
+    Entry(LN, TWO, NO_RES, (FWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX), SplitFwdConfig(WHOLE_SLICE, 8, 2), (LN_FWD_DEEP,),
           when=(row_split, deep_device)),
     # a 2-byte row that fills the one-pass tile stays in one pass
     Entry(RMS, TWO, NO_RES, (FWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX), _RMS_ROWS, (SPLIT_FWD_RMS_NARROW,)),

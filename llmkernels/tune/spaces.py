@@ -158,7 +158,7 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
         heuristic = choose(key)
         near = _norm_neighbours(n, backward, key.split)
         # the pipelined and TMA twins of the first split: the heuristic's, or a neighbour's where the
-        # heuristic reads the row in one pass (32K columns on an H200)
+        # heuristic reads the row in one pass (32K columns on an H100)
         split = next((c for c in (heuristic, *near) if isinstance(c, SplitFwdConfig)), None)
         candidates = _unique(_readable(c, tma) for c in (heuristic, *_pipelined(split, tma),
                                                          *(choose(key._replace(depth=d)) for d in DEPTHS), *near))

@@ -58,7 +58,7 @@ def tuned_name(d: int, hq: int, hk: int) -> str:
 
 
 def rope_tiles(d: int, hq: int, hk: int, device: torch.device) -> RopeTiles:
-    """The rule of these heads on ``device``: tuned there, else derived."""
+    """The rule of these heads on ``device``: tuned there, else ``DEFAULT_TILES``."""
     tuned = _device.tuned_of(device).config(tuned_name(d, hq, hk), RECORDS)
     return tuned or DEFAULT_TILES
 

@@ -365,7 +365,7 @@ def test_split_forward_tuned_tma_read_where_it_cannot_run(monkeypatch, device):
         FWD_PLANS.clear()
         monkeypatch.undo()
         monkeypatch.setattr(launchers, "forward_config", lambda key, tuned=None: SplitFwdConfig(32, 4, 2, 3, tma=True))
-        monkeypatch.setattr(launchers, "_tma_device", lambda index: False)  # a GPU older than Hopper
+        monkeypatch.setattr(launchers, "has_tma", lambda index: False)  # a GPU older than Hopper
         check_norm(True, torch.randn(8, 32, device=device) + 2.0, w)
         assert FWD_PLANS and all(plan.tma_block == 0 for plan in FWD_PLANS.values())
     finally:

@@ -127,6 +127,11 @@ def properties(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+def has_tma(index: int) -> bool:
+    """Whether device ``index`` copies through TMA: Hopper or newer (or Triton's interpreter, -1)."""
+    return index < 0 or properties(index).major >= 9
+
+
 def clock_gbps(index: int) -> Optional[float]:
     """Peak DRAM bandwidth of CUDA device ``index`` from its memory clock (kHz, double data rate)
     and bus width (bits); None where torch reports neither."""

@@ -99,7 +99,7 @@ def tma_here() -> bool:
 
     if TensorDescriptor is None:
         return False
-    return not torch.cuda.is_available() or _device.properties(torch.cuda.current_device()).major >= 9
+    return _device.has_tma(torch.cuda.current_device() if torch.cuda.is_available() else -1)
 
 
 def _norm_neighbours(n: int, backward: bool, split: bool) -> list:

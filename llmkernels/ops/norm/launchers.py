@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._args import cdiv, next_pow2, or_stand_in, row_stride
-from .._device import device_of, fit_stages, model_of, persistent_programs, properties, tuned_of
+from .._device import device_of, fit_stages, has_tma, model_of, persistent_programs, tuned_of
 from .._launch import Launcher, PlanCache, launcher_of
 from .._rowsplit import resident_registers, split_grid
 from .._triton import TensorDescriptor
@@ -157,7 +157,7 @@ def _forward_plan(key: FwdKey) -> FwdPlan:
             # (a pipelined kernel publishes the rows past the last into spare slots)
             slots = (m + config.lag * groups if config.stages else m, parts)
             if config.tma and key.config is None and not (_tma_runs(config, options.x_dtype)
-                                                          and _tma_device(key.device_index)):
+                                                          and has_tma(key.device_index)):
                 config = dataclasses.replace(config, tma=False)  # a table's or cache's TMA read that cannot run here
             if not config.tma:
                 return FwdPlan(_fwd_launcher(config, n, parts, **switches), (groups * parts,), slots)
@@ -179,11 +179,6 @@ TMA_SLICE_BYTES = 128
 def _tma_runs(config: SplitFwdConfig, dtype: torch.dtype) -> bool:
     """Whether this Triton can read x of ``dtype`` through TMA in ``config``'s slices."""
     return TensorDescriptor is not None and config.block_n * dtype.itemsize % TMA_SLICE_BYTES == 0
-
-
-def _tma_device(index: int) -> bool:
-    """Whether device ``index`` copies through TMA: Hopper or newer (or Triton's interpreter, -1)."""
-    return index < 0 or properties(index).major >= 9
 
 
 def _check_tma(config: SplitFwdConfig, dtype: torch.dtype) -> None:

@@ -43,12 +43,16 @@ def max_tiles(rows: int, num_experts: int, block_m: int) -> int:
     return max(1, rows // block_m + min(num_experts, rows))
 
 
-def _tables(keys, offsets: torch.Tensor, tiles: torch.Tensor, rows: int, block_m: int, find_offsets: bool) -> None:
+def _tables(keys, offsets: torch.Tensor, rows: int, block_m: int, find_offsets: bool) -> torch.Tensor:
+    """The tile table of ``block_m`` rows, from ``offsets`` or (``find_offsets``) writing them first
+    from the sorted ``keys``: one launch of ``routing_kernel``."""
     num_experts = offsets.numel() - 1
+    tiles = torch.empty(2 * max_tiles(rows, num_experts, block_m), device=offsets.device, dtype=torch.int32)
     block_e = next_pow2(num_experts + 1)
     handle = launcher_of(routing_kernel, BLOCK_M=block_m, FIND_OFFSETS=find_offsets, BLOCK_E=block_e,
                          BLOCK_T=max(16, TABLE_CELLS // block_e), num_warps=4)
     handle((1,), keys, offsets, tiles, rows, num_experts, tiles.numel() // 2, rows.bit_length())
+    return tiles
 
 
 def sort_slots(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Routing:
@@ -57,16 +61,10 @@ def sort_slots(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Rou
     table of ``block_m`` rows."""
     # (ids outside [0, E) become E: clamped into [-1, E], then -1 taken modulo E + 1)
     keys, order = torch.sort(top_k_index.reshape(-1).clamp(-1, num_experts).remainder(num_experts + 1), stable=True)
-    rows = keys.numel()
     offsets = torch.empty(num_experts + 1, device=keys.device, dtype=torch.int32)
-    tiles = torch.empty(2 * max_tiles(rows, num_experts, block_m), device=keys.device, dtype=torch.int32)
-    _tables(keys, offsets, tiles, rows, block_m, True)
-    return Routing(order.to(torch.int32), offsets, tiles)
+    return Routing(order.to(torch.int32), offsets, _tables(keys, offsets, keys.numel(), block_m, True))
 
 
 def tile_table(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """The tile table of ``block_m`` rows from the ``offsets`` of ``sort_slots``."""
-    num_experts = offsets.numel() - 1
-    tiles = torch.empty(2 * max_tiles(rows, num_experts, block_m), device=offsets.device, dtype=torch.int32)
-    _tables(offsets, offsets, tiles, rows, block_m, False)
-    return tiles
+    return _tables(offsets, offsets, rows, block_m, False)

@@ -131,6 +131,11 @@ def evaluate(model: GPT, windows: torch.Tensor, batch_size: int, amp) -> float:
     return float(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
+# A replay checks that the device's generator is not capturing, and every graph of the process shares
+# that generator: one thread's replay beside another's capture fails, so the two take turns.
+_GRAPH_LOCK = threading.Lock()
+
+
 class Stepper:
     """One run's training step and the state it mutates, captured in a CUDA graph on GPU."""
 
@@ -163,7 +168,7 @@ class Stepper:
             # every capture of the process), and their launches meanwhile are no error of this one.
             alone = {} if not beside_others else {"stream": torch.cuda.Stream(device),
                                                    "capture_error_mode": "thread_local"}
-            with torch.cuda.graph(self.graph, **alone):
+            with _GRAPH_LOCK, torch.cuda.graph(self.graph, **alone):
                 self._step()
 
     def _step(self):
@@ -199,7 +204,8 @@ class Stepper:
     def advance(self, n: int):
         for _ in range(n):
             if self.graph is not None:
-                self.graph.replay()
+                with _GRAPH_LOCK:
+                    self.graph.replay()
             else:
                 self._step()
 

@@ -260,6 +260,41 @@ def test_report_from_any_subset_of_runs(tmp_path, seed):
 
 
 
+def test_gate_noise_check_against_the_isoflop_depth(seed):
+    """Seed noise above a quarter of the median IsoFLOP depth fails the gate (the H200 sweep of
+    2026-11-28: 0.058 nats at its smallest budget, where the loss still dropped suddenly at the end
+    of the schedules); below it passes; without seed pairs or budgets of 3 sizes it is not evaluated."""
+    rng = np.random.default_rng(seed)
+    runs = synthetic_runs(rng, noise=0.0, budgets=4, sizes=5)
+    depths = [max(v) - min(v) for v in ([r["val_loss"] for r in runs if r["budget"] == c]
+                                        for c in sorted({r["budget"] for r in runs}))]
+    depth = float(np.median(depths))
+    sizes = [{"budget": runs[0]["budget"]}]
+    quiet, loud = ({"per_run_sd": f * depth, "sizes": sizes} for f in (0.2, 0.3))
+    assert gate.noise(runs, quiet)["ok"] is True
+    check = gate.noise(runs, loud)
+    assert check["ok"] is False and "raise the smallest budget" in check["reason"]
+    assert check["depth"] == pytest.approx(depth)
+    assert gate.noise(runs, None)["ok"] is None and gate.noise(runs[:2], quiet)["ok"] is None
+
+
+def test_fit_from_leaves_the_budgets_below_out_of_the_fits(seed):
+    """``fit_from``: the fits, checks and counts use only the budgets from it up; the budgets below
+    are named as not fitted, and the same runs without it fit every budget."""
+    rng = np.random.default_rng(seed)
+    runs = [{**r, "stage": "sweep", "train": {"batch_size": 16, "lr": 1e-3}, "backend": "kernels", "seed": 0,
+             "epochs": 0.1, "train_seconds": 1.0, "wall_seconds": 1.0, "tokens_per_s": 1.0, "mfu": None}
+            for r in synthetic_runs(rng, noise=0.005, budgets=6, sizes=7)]
+    budgets = sorted({r["budget"] for r in runs})
+    whole = report.analyse(runs, None, {}, n_boot=0)
+    part = report.analyse(runs, None, {}, n_boot=0, fit_from=budgets[2])
+    assert whole["budgets"] == 6 and whole["not_fitted"] == [] and whole["runs"] == len(runs)
+    assert part["budgets"] == 4 and part["not_fitted"] == budgets[:2]
+    assert part["runs"] == sum(r["budget"] >= budgets[2] for r in runs)
+    assert part["estimates"]["a3_a"] != whole["estimates"]["a3_a"]
+    assert part["design"]["budgets"] == budgets[2:]
+
+
 # --------------------------------------------------------------------------------------------
 # intervals: the point's own estimator, the point inside its interval
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ batch check, no bootstrap) is "not evaluated", and so is the gate then, never "p
    ``MAX_FAILED_SHARE`` of them, and the bootstrap's bias (median minus point) is at most its
    half-width: otherwise the estimator is unstable and its interval describes the resampling, not
    the estimate.
+5. Noise: one run's seed-to-seed standard deviation (nats) is at most ``NOISE_SHARE`` of the median
+   IsoFLOP depth (a budget's largest loss minus its smallest over its sizes). A parabola's minimum
+   moves by about the noise over the depth, so noisier runs leave the optima to chance; runs still
+   in a sudden drop of the loss (at byte level, the copy mechanisms forming) when their schedule ends
+   are that noisy, and the smallest budget (where the seed pairs run) is the first to show it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ AGREEMENT_TOLERANCE = 2 * TARGET_HALF_WIDTH
 BATCH_SDS = 3.0
 BATCH_TOLERANCE = 0.03  # nats
 MAX_FAILED_SHARE = 0.1
+NOISE_SHARE = 0.25
 APPROACHES = ("1", "2", "3")
 
 
@@ -137,6 +143,26 @@ def bootstrap(intervals: dict | None) -> dict:
     if not keys:
         return _check("bootstrap", None, f"{rule}: no exponent to check")
     return _check("bootstrap", True, f"{rule}: met ({intervals['resamples']} resamples)")
+
+
+def noise(runs: list[dict], seed_spread: dict | None) -> dict:
+    """Check 5 over the IsoFLOP ``runs`` (each with ``budget`` and ``val_loss``) and the seed spread."""
+    sd = (seed_spread or {}).get("per_run_sd")
+    if not sd:
+        return _check("noise", None, "no seed pairs: the seed-to-seed spread is not measured")
+    by_budget = {}
+    for r in runs:
+        by_budget.setdefault(r["budget"], []).append(r["val_loss"])
+    depths = [max(v) - min(v) for v in by_budget.values() if len(v) >= 3]
+    if not depths:
+        return _check("noise", None, "no budget with 3 sizes or more: no IsoFLOP depth to compare with")
+    depth = float(np.median(depths))
+    ok = bool(sd <= NOISE_SHARE * depth)
+    reason = (f"one run's seed sd {sd:.4f} nats ({budgets_of(seed_spread)}) is {sd / depth:.2f} of the median IsoFLOP "
+              f"depth {depth:.4f} over {len(depths)} budgets; at most {NOISE_SHARE:g} passes"
+              + ("" if ok else ": the optima are left to chance; a loss still dropping suddenly at the end of the "
+                               "smallest budgets' schedules does this: raise the smallest budget"))
+    return _check("noise", ok, reason, seed_sd=sd, depth=depth)
 
 
 def quality_gate(checks: list[dict]) -> dict:

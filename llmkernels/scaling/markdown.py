@@ -85,7 +85,10 @@ def _design_lines(an: dict) -> list[str]:
             + (f"sequences of {'/'.join(map(str, d['seq_len']))} tokens, vocabulary {'/'.join(map(str, d['vocab']))} "
                "(padded); " if d["seq_len"] else "")
             + f"sequences a step by budget: {batches}; seed {', '.join(map(str, d['seeds']))}"
-            + (f" (second seed: {', '.join(map(str, d['check_seeds']))})" if d["check_seeds"] else "") + ".", ""]
+            + (f" (second seed: {', '.join(map(str, d['check_seeds']))})" if d["check_seeds"] else "") + "."
+            + (f" Not fitted (`--fit-from {an['fit_from']:.4g}`): the IsoFLOP runs of "
+               f"{', '.join(f'{c:.3g}' for c in an['not_fitted'])} (in the runs' table), and the checks paired with them."
+               if an.get("not_fitted") else ""), ""]
 
 
 def _data_lines(an: dict, meta: dict) -> list[str]:

@@ -120,11 +120,13 @@ def headline(ivals: dict | None, points: dict, gate_: dict, extrapolation: dict)
             "extrapolation_ok": None if err is None else abs(err) <= EXTRAPOLATION_TARGET}
 
 
-def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int) -> dict:
+def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, fit_from: float | None = None) -> dict:
     """Every fit and check over the finished runs (``results``: run records with ``stage``; any
-    subset, diverged runs left out of the fits and listed)."""
+    subset, diverged runs left out of the fits and listed). ``fit_from``: fit only the budgets from
+    this one up; the IsoFLOP runs below it stay in the runs' table and are counted as not fitted."""
     valid = [r for r in results if r.get("val_loss") is not None]
-    sweep = [r for r in valid if r["stage"] == "sweep"]
+    isoflop = [r for r in valid if r["stage"] == "sweep"]
+    sweep = [r for r in isoflop if fit_from is None or r["budget"] >= fit_from * (1 - 1e-6)]
     stage = {k: [r for r in valid if r["stage"] == k] for k in ("seed", "batch", "backend")}
     seed_spread = _spread(_pairs(sweep, stage["seed"]))
     noise = (seed_spread or {}).get("per_run_sd")
@@ -134,12 +136,13 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int) 
     ivals = intervals.bootstrap(sweep, fits, n_boot, noise_sd=noise) if n_boot > 0 and sweep else None
     batch = _spread(_pairs(sweep, stage["batch"]))
     gate_ = gate.quality_gate([gate.residuals(sweep, a3, seed_spread), gate.agreement(points, ivals),
-                               gate.batch(batch, seed_spread), gate.bootstrap(ivals)])
+                               gate.batch(batch, seed_spread), gate.bootstrap(ivals), gate.noise(sweep, seed_spread)])
     cols = [[r[k] for r in sweep] for k in ("params", "tokens", "val_loss")]
     extrapolation = intervals.extrapolation(sweep)
     bigram = (meta.get("baselines") or {}).get("bigram")
     return {
-        **fits, "runs": len(sweep), "budgets": len(fit.by_budget(sweep)),
+        **fits, "runs": len(sweep), "budgets": len(fit.by_budget(sweep)), "fit_from": fit_from,
+        "not_fitted": sorted(fit.by_budget([r for r in isoflop if r not in sweep])),
         "diverged": [r["id"] for r in results if r not in valid], "estimates": points, "intervals": ivals,
         "gate": gate_, "headline": headline(ivals, points, gate_, extrapolation),
         "e_profile": surface.profile_e(*cols, a3), "loss_law": fit.optimal_loss_law(fits["approach2"]["optima"]),
@@ -152,8 +155,9 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int) 
     }
 
 
-def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out: Path, n_boot: int) -> dict:
-    an = analyse(results, lr_rule, meta, n_boot)
+def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out: Path, n_boot: int,
+          fit_from: float | None = None) -> dict:
+    an = analyse(results, lr_rule, meta, n_boot, fit_from)
     an["figures"], an["figures_skipped"] = plots(an, results, out)
     runs = [{**{k: r.get(k) for k in RUN_FIELDS}, "batch": r["train"]["batch_size"], "lr": r["train"]["lr"],
              **{k: v for k, v in r.items() if k not in ("history", "key")}} for r in results]

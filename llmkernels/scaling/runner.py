@@ -307,7 +307,7 @@ class Session:
                 "captured": sorted({r["captured"] for r in results}),
                 "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
-        an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap)
+        an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap, self.args.fit_from)
         ivals = an["intervals"] or {}
 
         def est(key):

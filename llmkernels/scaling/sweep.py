@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and exit")
     g.add_argument("--fit-only", action="store_true", help="train nothing: refit and rewrite the report from the "
                    "finished runs")
+    g.add_argument("--fit-from", type=float, default=None, metavar="FLOPS",
+                   help="fit only the budgets from this one up; the IsoFLOP runs below are trained and listed, not "
+                        "fitted (with --fit-only: a second look at a finished sweep, never its design)")
     g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop after about this long: no run is started that is predicted to end later, a run "
                         "still going at the limit is checkpointed; rerun the same command to go on (exit status 3)")
@@ -211,6 +214,8 @@ def print_plan(args, out=print) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.fit_from is not None and not args.fit_from > 0:
+        raise SystemExit(f"--fit-from must be a budget > 0 FLOPs, got {args.fit_from}")
     if args.compare:
         return compare_mod.main(args.compare, args.out)
     args.out = args.out or DEFAULT_OUT

@@ -20,10 +20,10 @@ The default range starts above the loss's early plateau and its drop (from about
 that end around it lie off any smooth L(N, D), and the learning-rate sweep, the seed pair and the
 batch check, all at the smallest budget, would carry that noise into every run of a sweep.
 ``tokens_per_param`` (80) is where the parabolas above the drop put the optimum. The evidence is in
-``benchmarks/results/scaling-h100x4-2026-11-27/`` and ``-2026-11-28/``. A range that reaches below
-1e15 needs a batch rule that shrinks the batch there, so that its runs take steps enough to pass the
-drop (``--batch-rule 3.2e14:16,9e14:32,64`` from 2.236e14): at 64 sequences the smallest budgets'
-runs stop inside it and the batch check fails (``scaling-h200-2026-11-28-interim/d0/``).
+``benchmarks/results/scaling-h100x4-2026-11-27/`` and ``-2026-11-28/``. Below about 1.26e15 no batch
+rule helps: at 64 sequences the smallest budgets' runs stop inside the drop and the batch check fails
+(``scaling-h200-2026-11-28-interim/d0/``); at 16 and 32 (``--batch-rule 3.2e14:16,9e14:32,64``) they
+pass it, but the seed pairs stay 0.06 nats a run apart and the gate's noise check fails (``e0/``).
 
 GPU time (``estimate``): ``plan.StepCost`` (seconds a step on one H100) summed over every planned
 run; with several training processes each stage lasts as long as the busiest process (runs handed

@@ -37,23 +37,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join(ROOT, "benchmarks", "results", "scaling-h200x4-2026-11-28", "seed1", "report.json")
 
 
-def surface_of(report: dict) -> tuple[dict, float]:
-    """The report's approach-3 surface and one run's seed-to-seed standard deviation in log L."""
+def surface_of(report: dict, noise: float | None = None) -> tuple[dict, float]:
+    """The report's approach-3 surface and one run's seed-to-seed standard deviation in log L
+    (``noise`` when given: a report fitted without its seed pairs, ``--fit-from``, has none)."""
     analysis = report["analysis"]
     fit = analysis["approach3"]
     if not fit.get("ok"):
         raise SystemExit("the report's approach 3 did not fit: no surface to draw from")
-    noise = (analysis.get("seed_spread") or {}).get("per_run_sd_log")
+    noise = noise if noise is not None else (analysis.get("seed_spread") or {}).get("per_run_sd_log")
     if noise is None:
-        raise SystemExit("the report has no seed-to-seed spread (seed_spread.per_run_sd_log) to draw noise from")
+        raise SystemExit("the report has no seed-to-seed spread (seed_spread.per_run_sd_log) to draw noise from: "
+                         "give --noise")
     return {k: fit[k] for k in ("E", "A", "B", "alpha", "beta")}, float(noise)
 
 
-def ladder_runs(truth: dict, design: tuple, sizes: int) -> list[dict]:
+def ladder_runs(truth: dict, design: tuple, sizes: int, span: float) -> list[dict]:
     """The IsoFLOP runs ``llmkernels scaling`` plans for ``design`` (the ladder's shapes, ``sizes`` a
-    budget), the upper budgets' windows centred on the surface's own optimum, as records to draw at."""
+    budget over ``span``), the upper budgets' windows centred on the surface's own optimum, as
+    records to draw at."""
     lo, hi, budgets = design
-    d = design_mod.Design(budget_lo=lo, budget_hi=hi, n_budgets=budgets, sizes_per_budget=sizes,
+    d = design_mod.Design(budget_lo=lo, budget_hi=hi, n_budgets=budgets, sizes_per_budget=sizes, span=span,
                           lower_budgets=min(budgets, design_mod.Design.lower_budgets))
     centres = {c: synthetic.optimal_params(truth, c) for c in d.budgets()[d.lower_budgets:]}
     models, hp, rule = plan.ladder_models(plan.BYTE_VOCAB), plan.HParams(), plan.LRRule()
@@ -67,7 +70,7 @@ def study(truth: dict, noise: float, design: tuple, args) -> dict:
     spread freely around the optimum, or (``args.ladder``) the sweep's own plan on the ladder."""
     lo, hi, budgets = design
     widths = {"a2_a": [], "a3_a": []}
-    planned = ladder_runs(truth, design, args.sizes) if args.ladder else None
+    planned = ladder_runs(truth, design, args.sizes, args.span) if args.ladder else None
     for draw in range(args.draws):
         rng = np.random.default_rng(args.seed + draw)
         if planned is not None:
@@ -82,6 +85,7 @@ def study(truth: dict, noise: float, design: tuple, args) -> dict:
             if found.get(key, {}).get("half_width") is not None:
                 widths[key].append(found[key]["half_width"])
     return {"lo": lo, "hi": hi, "budgets": budgets, "runs": len(runs), "ladder": args.ladder,
+            "compute": sum(r["compute"] for r in runs),
             **{f"{k}_half_width": statistics.median(v) if v else None for k, v in widths.items()}}
 
 
@@ -123,6 +127,10 @@ def main(argv=None) -> int:
                    help="each approach's bias at the report's own runs over DRAWS sweeps (0: not run)")
     p.add_argument("--sizes", type=int, default=7)
     p.add_argument("--spread", type=float, default=6.0, help="largest over smallest size of a budget (free sizes)")
+    p.add_argument("--span", type=float, default=design_mod.Design.span,
+                   help="with --ladder: the windows' --span of llmkernels scaling (default: %(default)s)")
+    p.add_argument("--noise", type=float, default=None, metavar="SD",
+                   help="one run's seed sd in log L (default: the report's seed pairs)")
     p.add_argument("--ladder", action="store_true",
                    help="draw at the sweep's own plan (the ladder's shapes, its windows, the upper ones centred on "
                         "the surface's optimum) instead of sizes spread freely: where the ladder ends above a small "
@@ -134,7 +142,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with open(args.report) as f:
         report = json.load(f)
-    truth, noise = surface_of(report)
+    truth, noise = surface_of(report, args.noise)
     found = bias(report, truth, noise, args.bias, args.seed) if args.bias else None
     if found:
         c = found["curves"]
@@ -148,12 +156,13 @@ def main(argv=None) -> int:
     for design in args.designs:
         rows.append(study(truth, noise, design, args))
         r = rows[-1]
-        print(f"{r['lo']:g}-{r['hi']:g}, {r['budgets']} budgets ({r['runs']} runs): median half-width of a: "
+        print(f"{r['lo']:g}-{r['hi']:g}, {r['budgets']} budgets ({r['runs']} runs, {r['compute']:.3g} FLOPs): median half-width of a: "
               f"approach 3 {r['a3_a_half_width']}, approach 2 {r['a2_a_half_width']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"report": args.report, "truth": truth, "noise_sd_log": noise, "draws": args.draws,
-                       "resamples": args.resamples, "sizes": args.sizes, "spread": args.spread, "designs": rows,
+                       "resamples": args.resamples, "sizes": args.sizes, "spread": args.spread, "span": args.span,
+                       "designs": rows,
                        "bias": found}, f, indent=1)
     return 0
 

@@ -493,10 +493,20 @@ def test_design_study_on_the_ladder_draws_the_sweeps_own_plan(tmp_path):
     from benchmarks import scaling_design
 
     truth, _ = scaling_design.surface_of(json.loads(open(scaling_design.REPORT).read()))
-    runs = scaling_design.ladder_runs(truth, (2.236e14, 2e16, 10), 7)
+    runs = scaling_design.ladder_runs(truth, (2.236e14, 2e16, 10), 7, design_mod.Design.span)
     shapes = {m.total_params() for m in plan.ladder_models(plan.BYTE_VOCAB)}
     assert len(runs) == 70 and {r["params"] for r in runs} <= shapes
     assert min(r["params"] for r in runs) == min(shapes)  # the smallest budget's window starts at the ladder's bottom
+    # a wider span (the sweep's --span) spreads each upper budget's sizes further around its optimum
+    wide = scaling_design.ladder_runs(truth, (1e15, 2e16, 10), 7, 3.0)
+    narrow = scaling_design.ladder_runs(truth, (1e15, 2e16, 10), 7, 2.2)
+
+    def ratio(rs):
+        return max(r["params"] for r in rs if r["budget"] == 2e16) / min(r["params"] for r in rs if r["budget"] == 2e16)
+    assert ratio(wide) > ratio(narrow) * 1.3
+    assert scaling_design.surface_of({"analysis": {"approach3": {"ok": True, **truth}}}, 0.0125)[1] == 0.0125
+    with pytest.raises(SystemExit, match="give --noise"):
+        scaling_design.surface_of({"analysis": {"approach3": {"ok": True, **truth}}})
     out = tmp_path / "design.json"
     args = ["--designs", "2.236e14,2e16,10", "--draws", "2", "--resamples", "30", "--out", str(out)]
     assert scaling_design.main([*args, "--ladder"]) == 0

@@ -9,7 +9,8 @@ sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured 
   A surface taken from real runs is smoother than they are (their residuals are not all noise), so
   compare designs with each other, not with a measured half-width. ``--ladder``: the runs the
   sweep itself would plan instead (the ladder's shapes; the upper windows centred on the surface's
-  optimum): where the ladder ends above a small budget's optimum, that budget tells less.
+  optimum; ``--span``: their width): where the ladder ends above a small budget's optimum, that
+  budget tells less. ``--noise``: the seed sd when the report has no seed pairs (``--fit-from``).
 - ``--bias DRAWS``: at the report's own runs (sizes, budgets, curve points), their curves placed as
   measured on them (``synthetic.measured_curves``); the mean and sd of each approach's a less the
   surface's, on the smooth surface and with each size's mean approach-3 residual of the report
@@ -19,6 +20,8 @@ sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured 
     python benchmarks/scaling_design.py --ladder --designs 2.236e14,2e16,10 2.236e14,2e16,14
     python benchmarks/scaling_design.py --report path/to/report.json --draws 5 --resamples 200
     python benchmarks/scaling_design.py --bias 100 --designs
+    python benchmarks/scaling_design.py --report benchmarks/results/scaling-h200-2026-11-28-interim/e0/fit-from-1.26e15/report.json \
+        --noise 0.0125 --ladder --span 3 --designs 1e15,2e16,10 --draws 4 --resamples 200
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ sweep's fitted surface ``L(N, D) = E + A/N^alpha + B/D^beta`` with its measured 
     python benchmarks/scaling_design.py --ladder --designs 2.236e14,2e16,10 2.236e14,2e16,14
     python benchmarks/scaling_design.py --report path/to/report.json --draws 5 --resamples 200
     python benchmarks/scaling_design.py --bias 100 --designs
-    python benchmarks/scaling_design.py --report benchmarks/results/scaling-h200-2026-11-28-interim/e0/fit-from-1.26e15/report.json \
+    python benchmarks/scaling_design.py --report benchmarks/results/scaling-h200-2026-11-28-interim/e0/fit-from-1.26e15/surface.json \
         --noise 0.0125 --ladder --span 3 --designs 1e15,2e16,10 --draws 4 --resamples 200
 """
 from __future__ import annotations

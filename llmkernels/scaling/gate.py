@@ -34,6 +34,8 @@ import math
 
 import numpy as np
 
+from . import fit
+
 RESIDUAL_FACTOR = 2.0
 TARGET_HALF_WIDTH = 0.05  # the 90% half-width a quotable exponent may have
 AGREEMENT_TOLERANCE = 2 * TARGET_HALF_WIDTH
@@ -150,10 +152,8 @@ def noise(runs: list[dict], seed_spread: dict | None) -> dict:
     sd = (seed_spread or {}).get("per_run_sd")
     if not sd:
         return _check("noise", None, "no seed pairs: the seed-to-seed spread is not measured")
-    by_budget = {}
-    for r in runs:
-        by_budget.setdefault(r["budget"], []).append(r["val_loss"])
-    depths = [max(v) - min(v) for v in by_budget.values() if len(v) >= 3]
+    losses = [[r["val_loss"] for r in rs] for rs in fit.by_budget(runs).values()]
+    depths = [max(v) - min(v) for v in losses if len(v) >= 3]
     if not depths:
         return _check("noise", None, "no budget with 3 sizes or more: no IsoFLOP depth to compare with")
     depth = float(np.median(depths))

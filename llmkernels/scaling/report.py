@@ -142,7 +142,7 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, 
     bigram = (meta.get("baselines") or {}).get("bigram")
     return {
         **fits, "runs": len(sweep), "budgets": len(fit.by_budget(sweep)), "fit_from": fit_from,
-        "not_fitted": sorted(fit.by_budget([r for r in isoflop if r not in sweep])),
+        "not_fitted": sorted({r["budget"] for r in isoflop} - {r["budget"] for r in sweep}),
         "diverged": [r["id"] for r in results if r not in valid], "estimates": points, "intervals": ivals,
         "gate": gate_, "headline": headline(ivals, points, gate_, extrapolation),
         "e_profile": surface.profile_e(*cols, a3), "loss_law": fit.optimal_loss_law(fits["approach2"]["optima"]),

@@ -177,12 +177,13 @@ def norm_tasks(model: _device.DeviceModel, widths=NORM_WIDTHS, ops=tuple(NORM_OP
 def ce_tasks(model: _device.DeviceModel, vocabs=VOCABS, rows: Optional[int] = None, limit: int = 0) -> list:
     """Cross-entropy's tasks at each vocabulary: the in-place forward + backward's split (its
     slice, warps and programs a multiprocessor), then the forward alone's chunk and warps."""
+    deepened = [ce.DEFAULT_CONFIG.deepened(d).split_inplace for d in DEPTHS]
     tasks = []
     for v in vocabs:
         heuristic = ce.derived_config(v, model.depth)
-        inplace = [ce.DEFAULT_CONFIG.deepened(d).split_inplace for d in DEPTHS]
-        inplace += [dataclasses.replace(heuristic.split_inplace, block_v=block_v, num_warps=warps, per_sm=per_sm)
-                    for block_v, warps, per_sm in ((32768, 32, 1), (16384, 16, 1), (16384, 8, 2), (8192, 8, 2))]
+        inplace = deepened + [dataclasses.replace(heuristic.split_inplace, block_v=block_v, num_warps=warps,
+                                                  per_sm=per_sm)
+                              for block_v, warps, per_sm in ((32768, 32, 1), (16384, 16, 1), (16384, 8, 2), (8192, 8, 2))]
         forward = [dataclasses.replace(heuristic.forward, block_v=block_v, num_warps=warps)
                    for block_v, warps in ((16384, 8), (8192, 8), (16384, 16), (32768, 16))]
         m = rows or 1 << ((LOGITS // v).bit_length() - 1)

@@ -161,6 +161,37 @@ def build_model(args, device):
     return model
 
 
+def training_step(step_model, opt):
+    """One training step on ``ids`` (``input_ids`` = ``labels``): forward, backward, ``opt``'s
+    step; returns the loss, detached (not synchronized)."""
+    def step(ids):
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def write_profile(run, device, path: str, rows: int = 40) -> None:
+    """Runs ``run()`` (a few training steps) under ``torch.profiler`` and writes to ``path`` the
+    device-time table, to see where a step's GPU time goes, then the host-time table (self CPU),
+    to see where a host-bound step goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table
+    with open(path, "w") as f:
+        if cuda:
+            f.write(table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90) + "\n")
+        f.write(table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90))
+
+
 def train_steps(step_model, opt, batches: list, warmup: int, device, barrier=None) -> dict:
     """Train on ``batches`` (``input_ids`` = ``labels``): ``warmup`` steps, then the rest timed
     (CUDA-synchronized wall clock, then ``barrier()`` where given). Returns ``first_step_s`` (the
@@ -176,13 +207,7 @@ def train_steps(step_model, opt, batches: list, warmup: int, device, barrier=Non
         if barrier is not None:
             barrier()
 
-    def step(ids):
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    step = training_step(step_model, opt)
     losses, first_step_s = [], None
     t0 = time.perf_counter()
     for i in range(warmup):

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import llmkernels  # noqa: E402
+from e2e_train import training_step, write_profile  # noqa: E402
 
 RANK, ALPHA, TARGETS = 16, 32, ["experts.gate_up_proj", "experts.down_proj"]
 # About 0.9B parameters (0.8B in the experts): 8 layers of 64 experts, top-8, H 1024, I 512.
@@ -52,24 +53,9 @@ def batches(steps: int, batch: int, seq: int, vocab: int, device) -> list:
 
 
 def profile(model, data: list, device, path: str) -> None:
-    """Writes the device-time table of a few more steps, to see where a provider's step goes, and
-    the host-time table (self CPU), to see where a host-bound step goes."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    cuda = device.type == "cuda"
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        for ids in data[:PROFILE_STEPS]:
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-    table = prof.key_averages().table
-    with open(path, "w") as f:
-        if cuda:
-            f.write(table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90) + "\n")
-        f.write(table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    """A few more steps' profile (``e2e_train.write_profile``) with an optimizer of its own."""
+    step = training_step(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    write_profile(lambda: [step(ids) for ids in data[:PROFILE_STEPS]], device, path)
 
 
 def train(model, data: list, device) -> dict:

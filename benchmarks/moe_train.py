@@ -30,6 +30,7 @@ skipped). The summary gives llmkernels' tokens/s over the best of hf_eager, hf_g
 
     python benchmarks/moe_train.py --out $OUT          # GPU, about 4-6 minutes
     python benchmarks/moe_train.py --tiny --out /tmp/x  # CPU (Triton's interpreter): a tiny fp32 model
+    python benchmarks/moe_train.py --providers llmkernels,liger --profile --out $OUT  # where each step goes
 
 Writes ``moe_train.json`` and ``moe_train.md`` under ``--out`` (default ``$OUT``, else
 ``./moe-train``) after every provider.
@@ -49,7 +50,8 @@ START = time.time()  # the budget counts from here, imports included, as an outs
 if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from e2e_train import DTYPES, _dist_version, resolve_device, run_worker, train_steps  # noqa: E402
+from e2e_train import (DTYPES, _dist_version, resolve_device, run_worker, train_steps, training_step,  # noqa: E402
+                       write_profile)
 from moe_bench import meta  # noqa: E402
 
 from llmkernels.bench.report import write_texts  # noqa: E402
@@ -65,6 +67,7 @@ TINY = dict(hidden=32, layers=2, experts=4, top_k=2, moe_intermediate=16, heads=
             seq=16, batch=2, warmup=1, steps=2, slow_steps=2, dtype="fp32",
             providers="hf_eager,hf_grouped_mm,llmkernels,liger")
 SHAPE = tuple(MODEL)
+PROFILE_STEPS = 3  # --profile: steps profiled after the timed ones
 SPENT = "skipped: the run's time budget is spent"
 
 
@@ -127,6 +130,10 @@ def run_provider(args) -> dict:
                   step_ms=1e3 * timed["elapsed_s"] / args.steps,
                   tokens_per_s=args.batch * args.seq * args.steps / timed["elapsed_s"],
                   peak_mem_gib=timed["peak_gib"], losses=timed["losses"].tolist())
+    if args.profile:
+        step = training_step(step_model, opt)
+        write_profile(lambda: [step(ids) for ids in batches[-PROFILE_STEPS:]], device,
+                      os.path.join(args.out, f"moe_train_profile_{args.provider}.txt"))
     return result
 
 
@@ -211,6 +218,7 @@ def run_all(args) -> dict:
         else:
             steps = dict(shape, warmup=1, steps=args.slow_steps) if provider in SLOW else shape
             cmd = [sys.executable, os.path.abspath(__file__), "--provider", provider, f"--device={device_type}",
+                   f"--out={args.out}", *(["--profile"] if args.profile else []),
                    *(f"--{k.replace('_', '-')}={v}" for k, v in steps.items())]
             start = time.time()
             record = run_worker(cmd, provider, min(left, args.timeout))
@@ -239,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per provider at most")
     p.add_argument("--loss-rtol", type=float, default=2e-2, help="largest relative loss difference from the "
                    "reference at any step (default %(default)s: bf16, where routing may flip on near ties)")
+    p.add_argument("--profile", action="store_true", help=f"after each provider's timed steps, profile "
+                   f"{PROFILE_STEPS} more into moe_train_profile_<provider>.txt (device time, then host time)")
     p.add_argument("--out", default=os.environ.get("OUT") or "moe-train")
     return p
 

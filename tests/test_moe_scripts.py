@@ -139,8 +139,9 @@ def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
 def test_moe_train_tiny(tmp_path):
     """End to end, each provider in its own process: transformers' eager loop and llmkernels train
     the same tiny fp32 Qwen3-MoE from the same weights on the same batches, with the same losses;
-    the JSON has every step's loss, the speed and the speedup over the peers that ran."""
-    result = _run("moe_train.py", str(tmp_path), "--providers", "hf_eager,llmkernels,liger")
+    the JSON has every step's loss, the speed and the speedup over the peers that ran; ``--profile``
+    writes each provider's profile of the steps after them."""
+    result = _run("moe_train.py", str(tmp_path), "--providers", "hf_eager,llmkernels,liger", "--profile")
     shape, providers, summary = result["shape"], result["providers"], result["summary"]
     assert list(providers) == ["hf_eager", "llmkernels", "liger"]
     for name in ("hf_eager", "llmkernels"):
@@ -149,6 +150,9 @@ def test_moe_train_tiny(tmp_path):
         assert len(record["losses"]) == shape["warmup"] + shape["steps"]
         assert record["tokens_per_s"] > 0 and record["step_ms"] > 0 and record["params"] > record["active_params"]
     assert providers["hf_eager"]["experts_implementation"] == "eager"
+    for name in ("hf_eager", "llmkernels"):  # the host-time table (a CPU run has no device table)
+        with open(tmp_path / f"moe_train_profile_{name}.txt") as f:
+            assert "Self CPU" in f.read()
     assert any(p.startswith("Qwen3MoeExperts.forward -> llmkernels.moe_experts") for p in
                providers["llmkernels"]["patched"]), providers["llmkernels"]["patched"]
     liger = providers["liger"]

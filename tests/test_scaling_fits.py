@@ -233,6 +233,32 @@ def test_lr_rule_pools_every_stable_rate_of_every_size(seed):
     assert few["method"] == "one parabola per size" and few["c"] == pytest.approx(3e-3, rel=0.3)
 
 
+def test_lr_sweep_extends_where_the_shared_rule_puts_a_size_beyond_its_rates(seed):
+    """A size tried only above its optimum, whose middle rate is best by noise: its own parabola
+    would set the rule there, but the parabola shared by the sizes puts its optimum below every rate
+    tried. The rule falls back to the sizes' own optima for now, and the design tries that size one
+    rate lower (the replicate f1's L6-W256, whose own optimum doubled its sweep's c)."""
+    rng = np.random.default_rng(seed)
+    d, hp = design_mod.Design(), plan.HParams()
+    ratio = max(d.lr_mults) / sorted(d.lr_mults)[-2]
+    far_name = LR_MODELS[2][0].name
+    runs = [r for r in _lr_runs(rng, (0.25, 0.5, 1.0, 2.0, 4.0)) if r["name"] != far_name]
+    far = [r for r in _lr_runs(rng, (2.0 / ratio**2, 2.0 / ratio, 2.0, 2.8, 4.0)) if r["name"] == far_name]
+    high = far[2:]
+    high[0]["val_loss"] += 0.1  # 2.8x reads best of the three
+    rule = fit.fit_lr_rule(runs + high, kappa=0.5)
+    groups = {g["name"]: g for g in rule["groups"]}
+    assert groups[far_name]["edge"] is None and groups[far_name]["beyond"] == "low", groups[far_name]
+    assert all("beyond" not in groups[m.name] for m, _ in LR_MODELS[:2])
+    assert rule["method"] == "one parabola per size"
+    planned = [d.lr_run(1e14, m, groups[m.name]["lr_mults"][0], hp) for m, _ in LR_MODELS]
+    more = d.lr_extension(rule["groups"], planned, hp)
+    assert [(r.model.name, r.lr_mult) for r in more] == [(far_name, pytest.approx(2.0 / ratio))]
+    # with the rates of two such rounds tried (the optimum is 0.8-1.25x), the shared parabola sets the rule again
+    again = fit.fit_lr_rule(runs + far, kappa=0.5)
+    assert again["method"] == "one parabola shared by the sizes", again["groups"]
+
+
 def test_report_from_any_subset_of_runs(tmp_path, seed):
     """Any subset of runs gives a report: figures that cannot be drawn are skipped with a line why (the
     crash of issue 33: 'Data cannot be log-scaled' when no budget had an optimum), nothing empty."""

@@ -3,8 +3,8 @@
 Stages, in order:
   1. ``lr``: rates ``lr_mults`` x the prior rule at ``lr_sizes`` sizes of the smallest budget (and,
      when the lower budgets' batches differ, of the smallest with the largest of them); a (budget,
-     size) whose best rate is the lowest or highest tried gets one more rate beyond it, up to
-     ``lr_rounds`` times. The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
+     size) whose best rate is the lowest or highest tried, or whose optimum by the rule shared by the
+     sizes lies beyond the rates tried, gets one more rate on that side, up to ``lr_rounds`` times. The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
   2. ``lower``: the ``lower_budgets`` smallest budgets, each at ``sizes_per_budget`` sizes about
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
      (``tokens_per_param``), a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets`` and half the
@@ -123,14 +123,17 @@ class Design:
 
     def lr_extension(self, groups: list[dict], runs: list[Run], hp: HParams) -> list[Run]:
         """One more rate for each (budget, size) of ``groups`` (``fit.fit_lr_rule``'s rows) whose best
-        rate is an edge of those tried: beyond it by the ratio of the default rates' ends' neighbours."""
+        rate is an edge of those tried, or whose optimum by the rule shared by the sizes lies beyond
+        them (``beyond``): past the end on that side by the ratio of the default rates' ends'
+        neighbours."""
         ratio = max(self.lr_mults) / sorted(self.lr_mults)[-2] if len(self.lr_mults) > 1 else 2.0
         by_group = {(r.budget, r.model.name): r for r in runs}
         more = []
         for g in groups:
             mults = g["lr_mults"]
-            if g["edge"] and (g["budget"], g["name"]) in by_group:
-                mult = min(mults) / ratio if g["edge"] == "low" else max(mults) * ratio
+            side = g["edge"] or g.get("beyond")
+            if side and (g["budget"], g["name"]) in by_group:
+                mult = min(mults) / ratio if side == "low" else max(mults) * ratio
                 more.append(self.lr_run(g["budget"], by_group[(g["budget"], g["name"])].model, mult, hp))
         return more
 

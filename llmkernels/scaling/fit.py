@@ -223,8 +223,10 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
         slope, icpt = np.polyfit(x, y, 1)
         gamma = float(np.clip(-slope, 0.0, GAMMA_MAX))
         joint = _joint_rule(rows, kappa, math.exp(np.mean(y + gamma * x)), gamma)
-        if joint is not None:
-            (c, gamma), method = joint, "one parabola shared by the sizes"
+        for i, side in (joint or {}).get("beyond", {}).items():
+            rows[i]["beyond"] = side
+        if joint is not None and not joint["beyond"]:
+            c, gamma, method = joint["c"], joint["gamma"], "one parabola shared by the sizes"
         else:
             c = math.exp(np.mean(y + gamma * x))
         c, gamma = float(f"{c:.4g}"), float(f"{gamma:.4g}")
@@ -240,13 +242,14 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
             "by_batch": by_batch, "method": method, **quality}
 
 
-def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tuple[float, float] | None:
-    """``(c, gamma)`` of one parabola in log lr shared by every size: its own floor each, one
-    curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the rule). Every
-    stable rate of every size informs the rule, where a size's own parabola rests on three runs
-    whose noise can move it by a factor of two. None without more stable rates than parameters,
-    when the fit fails or when it puts a size's optimum outside the rates tried there (no
-    curvature to trust: the caller keeps the sizes' own optima)."""
+def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> dict | None:
+    """``{"c", "gamma", "beyond"}`` of one parabola in log lr shared by every size: its own floor
+    each, one curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the
+    rule). Every stable rate of every size informs the rule, where a size's own parabola rests on
+    three runs whose noise can move it by a factor of two. ``beyond``: ``{row index: "low" |
+    "high"}`` for each size whose optimum it puts outside the rates tried there (no curvature to
+    trust there: the caller keeps the sizes' own optima, and the sweep tries a rate on that side).
+    None without more stable rates than parameters, or when the fit fails."""
     from scipy.optimize import least_squares
 
     rows = [r for r in rows if any(v is not None for v in r["losses"])]
@@ -274,5 +277,6 @@ def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> tup
     if not fit.success:
         return None
     centre = fit.x[k + 1] - fit.x[k + 2] * n
-    inside = all(x[g == i].min() <= centre[g == i][0] <= x[g == i].max() for i in range(k))
-    return (math.exp(fit.x[k + 1]), float(fit.x[k + 2])) if inside else None
+    beyond = {i: "low" if centre[g == i][0] < x[g == i].min() else "high" for i in range(k)
+              if not x[g == i].min() <= centre[g == i][0] <= x[g == i].max()}
+    return {"c": math.exp(fit.x[k + 1]), "gamma": float(fit.x[k + 2]), "beyond": beyond}

@@ -190,7 +190,8 @@ class Session:
 
     def lr_stage(self, design, models) -> tuple[LRRule | None, dict, list[dict], list[str]]:
         """The learning-rate sweep, extended round by round where a best rate is an edge of those
-        tried; the rule fitted from it (None while runs are missing)."""
+        tried or the shared rule's optimum lies beyond them; the rule fitted from it (None while runs
+        are missing)."""
         kappa = LRRule().kappa
         runs = design.lr_sweep(models, self.hp)
         for round_ in range(design.lr_rounds + 1):
@@ -201,7 +202,8 @@ class Session:
             more = [r for r in design.lr_extension(groups, runs, self.hp) if r.id not in {x.id for x in runs}]
             if not more or round_ == design.lr_rounds:
                 break
-            self.log(f"learning-rate sweep: {len(more)} size(s) best at an edge of the rates tried; one more rate each")
+            self.log(f"learning-rate sweep: {len(more)} size(s) best at an edge of the rates tried or with the shared "
+                     "rule's optimum beyond them; one more rate each")
             runs += more
         ids = sorted(r["id"] for r in results)
         lr_fit = self.fitted_once("lr_rule.json", ids, lambda: fit.fit_lr_rule(results, kappa))

@@ -4,7 +4,8 @@ Stages, in order:
   1. ``lr``: rates ``lr_mults`` x the prior rule at ``lr_sizes`` sizes of the smallest budget (and,
      when the lower budgets' batches differ, of the smallest with the largest of them); a (budget,
      size) whose best rate is the lowest or highest tried, or whose optimum by the rule shared by the
-     sizes lies beyond the rates tried, gets one more rate on that side, up to ``lr_rounds`` times. The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
+     sizes lies beyond the rates tried, gets one more rate on that side, up to ``lr_rounds`` times.
+     The rule ``lr = c·(N/1e6)^-gamma·(batch tokens/2^15)^0.5`` is fitted from it.
   2. ``lower``: the ``lower_budgets`` smallest budgets, each at ``sizes_per_budget`` sizes about
      ``span^(2/(sizes-1))`` apart from ``N/span`` to ``N·span`` around the prior optimum
      (``tokens_per_param``), a second seed (``SEED_CHECK_OFFSET``) at ``seed_budgets`` and half the

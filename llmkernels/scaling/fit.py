@@ -223,8 +223,10 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
         slope, icpt = np.polyfit(x, y, 1)
         gamma = float(np.clip(-slope, 0.0, GAMMA_MAX))
         joint = _joint_rule(rows, kappa, math.exp(np.mean(y + gamma * x)), gamma)
-        for i, side in (joint or {}).get("beyond", {}).items():
-            rows[i]["beyond"] = side
+        for row in rows:
+            side = (joint or {}).get("beyond", {}).get((row["budget"], row["name"]))
+            if side:
+                row["beyond"] = side
         if joint is not None and not joint["beyond"]:
             c, gamma, method = joint["c"], joint["gamma"], "one parabola shared by the sizes"
         else:
@@ -246,7 +248,7 @@ def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> dic
     """``{"c", "gamma", "beyond"}`` of one parabola in log lr shared by every size: its own floor
     each, one curvature, the minimum at ``log c - gamma·log(N / 1e6)`` (batch-normalised as the
     rule). Every stable rate of every size informs the rule, where a size's own parabola rests on
-    three runs whose noise can move it by a factor of two. ``beyond``: ``{row index: "low" |
+    three runs whose noise can move it by a factor of two. ``beyond``: ``{(budget, name): "low" |
     "high"}`` for each size whose optimum it puts outside the rates tried there (no curvature to
     trust there: the caller keeps the sizes' own optima, and the sweep tries a rate on that side).
     None without more stable rates than parameters, or when the fit fails."""
@@ -277,6 +279,6 @@ def _joint_rule(rows: list[dict], kappa: float, c0: float, gamma0: float) -> dic
     if not fit.success:
         return None
     centre = fit.x[k + 1] - fit.x[k + 2] * n
-    beyond = {i: "low" if centre[g == i][0] < x[g == i].min() else "high" for i in range(k)
-              if not x[g == i].min() <= centre[g == i][0] <= x[g == i].max()}
+    beyond = {(r["budget"], r["name"]): "low" if centre[g == i][0] < x[g == i].min() else "high"
+              for i, r in enumerate(rows) if not x[g == i].min() <= centre[g == i][0] <= x[g == i].max()}
     return {"c": math.exp(fit.x[k + 1]), "gamma": float(fit.x[k + 2]), "beyond": beyond}

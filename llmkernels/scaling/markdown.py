@@ -122,7 +122,8 @@ def _lr_lines(an: dict) -> list[str]:
             f"gamma = {num(rule.get('gamma'))}, kappa = {num(rule.get('kappa'))} ({rule.get('source', 'n/a')}); "
             f"{len(rule.get('groups') or [])} sweep groups, {rule.get('edges', 0)} with the best rate still at an edge "
             f"of the rates tried and {sum('beyond' in g for g in rule.get('groups') or [])} with the optimum of the "
-            f"parabola shared by the sizes beyond them (the rule: {rule.get('method', 'n/a')}; `lr_sweep.png`); mean residual of log lr* by batch tokens (kappa's check): {by_batch}. "
+            f"parabola shared by the sizes beyond them (the rule: {rule.get('method', 'n/a')}; `lr_sweep.png`); mean "
+            f"residual of log lr* by batch tokens (kappa's check): {by_batch}. "
             f"Warm-up {num(warm and warm[0], '.1%')} to {num(warm and warm[1], '.1%')} of the steps, then a cosine to "
             f"{'/'.join(f'{v:.0%}' for v in floor or []) or 'n/a'} of the peak; AdamW beta2 {beta2} (`plan.HParams`).", ""]
 

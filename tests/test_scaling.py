@@ -143,7 +143,7 @@ def test_counts_and_default_design_meet_the_issue():
     assert all(r.beta2 == 0.99 and 0.02 <= r.warmup_steps / r.steps <= 0.05 for r in lr_runs + lower + upper)
     stages = [lr_runs, lower, upper]
     assert design_mod.estimate(stages, pieces=3) <= 25 * 60  # one GPU
-    assert design_mod.estimate(stages, pieces=1, workers=4, timed=True) <= 6.5 * 60  # four GPUs, one call
+    assert design_mod.estimate(stages, pieces=1, workers=4) <= 6.5 * 60  # four GPUs, one call
     assert len({r.id for r in lr_runs + lower + upper}) == len(lr_runs + lower + upper)
 
 
@@ -329,19 +329,14 @@ def test_missing_extras_stop_before_any_data(tmp_path, monkeypatch, capsys):
 
 
 def test_run_order():
-    """Runs are handed out longest first (the processes end together), or under a time limit smallest
-    budget first (each call completes whole budgets), a budget's sweep before its checks, longest
-    first within them."""
+    """Runs are handed out longest first, with or without a time limit: the processes end together,
+    and a call cut by its limit has started its longest runs first."""
     d, hp = design_mod.Design(), plan.HParams()
-    runs = d.lower(plan.ladder_models(320), plan.LRRule(), hp)
-    order = runner.run_order(runs, timed=False)
+    runs = d.lower(plan.ladder_models(320), plan.LRRule(), hp) + d.upper(plan.ladder_models(320), plan.LRRule(), hp, None)
+    order = runner.run_order(runs)
+    assert sorted(map(id, order)) == sorted(map(id, runs))
     assert [plan.H100.run_seconds(r) for r in order] == sorted((plan.H100.run_seconds(r) for r in runs), reverse=True)
-    timed = runner.run_order(runs, timed=True)
-    assert [r.budget for r in timed] == sorted(r.budget for r in runs)
-    first = [r for r in timed if r.budget == timed[0].budget]
-    assert [r.stage for r in first] == sorted((r.stage for r in first), key=design_mod.STAGES.index)
-    sweep_ = [plan.H100.run_seconds(r) for r in first if r.stage == "sweep"]
-    assert sweep_ == sorted(sweep_, reverse=True)
+    assert order[0].budget == max(r.budget for r in runs)  # the largest budget's longest run leads
 
 
 def test_cli_help_and_list_build_nothing(tmp_path, capsys):

@@ -143,7 +143,7 @@ class Session:
     def execute(self, runs, title: str) -> tuple[list[dict], list[str]]:
         """Train the runs not finished yet (``run_order``), packing the archive after each that
         finishes. Returns every finished result of ``runs`` and the ids still missing."""
-        todo = [] if self.args.fit_only else [r for r in run_order(runs, self.deadline is not None) if not self.finished(r)]
+        todo = [] if self.args.fit_only else [r for r in run_order(runs) if not self.finished(r)]
         done = 0
         for out in self.trainer.run(todo, self.task) if todo else ():
             status, run = out["status"], out["run"]

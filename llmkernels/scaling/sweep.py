@@ -204,11 +204,11 @@ def print_plan(args, out=print) -> int:
             f"{estimate([[r]], pieces=0):>8.1f}")
     total = sum(r.compute for r in lr_runs + runs)
     stages = [lr_runs, [r for r in runs if r.budget in lower_budgets], [r for r in runs if r.budget not in lower_budgets]]
-    gpus, timed = args.workers or 4, args.time_limit is not None
+    gpus = args.workers or 4
     out(f"{len(lr_runs)} learning-rate runs (before extensions), {sum(r.stage == 'sweep' for r in runs)} IsoFLOP runs over "
         f"{design.n_budgets} budgets, {sum(r.stage != 'sweep' for r in runs)} check runs: {total:.3g} FLOPs, about "
-        f"{estimate(stages, timed=timed) / 60:.1f} min on one H100, {estimate(stages, workers=gpus, timed=timed) / 60:.1f} "
-        f"min on {gpus} (design.estimate{', runs in --time-limit order' if timed else ''})")
+        f"{estimate(stages) / 60:.1f} min on one H100, {estimate(stages, workers=gpus) / 60:.1f} min on {gpus} "
+        f"(design.estimate)")
     return 0
 
 

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import llmkernels  # noqa: E402
-from e2e_train import training_step, write_profile  # noqa: E402
+from e2e_train import training_step  # noqa: E402
+from profiling import write_profile  # noqa: E402
 
 RANK, ALPHA, TARGETS = 16, 32, ["experts.gate_up_proj", "experts.down_proj"]
 # About 0.9B parameters (0.8B in the experts): 8 layers of 64 experts, top-8, H 1024, I 512.
@@ -53,7 +54,7 @@ def batches(steps: int, batch: int, seq: int, vocab: int, device) -> list:
 
 
 def profile(model, data: list, device, path: str) -> None:
-    """A few more steps' profile (``e2e_train.write_profile``) with an optimizer of its own."""
+    """A few more steps' profile (``profiling.write_profile``) with an optimizer of its own."""
     step = training_step(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     write_profile(lambda: [step(ids) for ids in data[:PROFILE_STEPS]], device, path)
 

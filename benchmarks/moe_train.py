@@ -50,8 +50,8 @@ START = time.time()  # the budget counts from here, imports included, as an outs
 if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from e2e_train import (DTYPES, _dist_version, resolve_device, run_worker, train_steps, training_step,  # noqa: E402
-                       write_profile)
+from e2e_train import DTYPES, _dist_version, resolve_device, run_worker, train_steps, training_step  # noqa: E402
+from profiling import write_profile  # noqa: E402
 from moe_bench import meta  # noqa: E402
 
 from llmkernels.bench.report import write_texts  # noqa: E402

@@ -223,11 +223,11 @@ def fit_lr_rule(lr_runs: list[dict], kappa: float) -> dict:
         slope, icpt = np.polyfit(x, y, 1)
         gamma = float(np.clip(-slope, 0.0, GAMMA_MAX))
         joint = _joint_rule(rows, kappa, math.exp(np.mean(y + gamma * x)), gamma)
+        beyond = joint["beyond"] if joint is not None else {}
         for row in rows:
-            side = (joint or {}).get("beyond", {}).get((row["budget"], row["name"]))
-            if side:
-                row["beyond"] = side
-        if joint is not None and not joint["beyond"]:
+            if (row["budget"], row["name"]) in beyond:
+                row["beyond"] = beyond[(row["budget"], row["name"])]
+        if joint is not None and not beyond:
             c, gamma, method = joint["c"], joint["gamma"], "one parabola shared by the sizes"
         else:
             c = math.exp(np.mean(y + gamma * x))

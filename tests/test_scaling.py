@@ -316,6 +316,16 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     assert sweep.main(["--out", str(fresh), *TINY, *TINY_LR, "--backend", "reference", "--bootstrap", "0",
                        "--restore", str(archive), "--fit-only"]) == 0
     assert len(json.loads((fresh / "report.json").read_text())["runs"]) == len(runs)
+    # the committed report alone (an archive lost) restores every run, the rule and the windows
+    from_report = tmp_path.parent / f"{tmp_path.name}-from-report"
+    assert sweep.main(["--out", str(from_report), *TINY, *TINY_LR, "--backend", "reference", "--bootstrap", "0",
+                       "--restore", str(tmp_path / "report.json"), "--fit-only"]) == 0
+    assert len(json.loads((from_report / "report.json").read_text())["runs"]) == len(runs)
+    for name in ("centres.json", "lr_rule.json"):
+        assert json.loads((from_report / name).read_text()) == json.loads((tmp_path / name).read_text()), name
+    (tmp_path.parent / "not-a-report.json").write_text('{"runs": []}')
+    with pytest.raises(ValueError, match="not a report.json"):
+        sweep.main(["--out", str(from_report), *TINY, "--restore", str(tmp_path.parent / "not-a-report.json")])
     next((tmp_path / "runs").glob("sweep-C6e09-*.json")).unlink()
     assert sweep.main([*args, "--bootstrap", "0", "--fit-only"]) == runner.EXIT_INCOMPLETE
     assert len(json.loads((tmp_path / "report.json").read_text())["runs"]) == len(runs) - 1

@@ -156,12 +156,15 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, 
 
 
 def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out: Path, n_boot: int,
-          fit_from: float | None = None) -> dict:
+          fit_from: float | None = None, centres: dict | None = None) -> dict:
+    """report.md, report.json and the figures in ``out``; ``centres`` (the upper windows as
+    ``centres.json`` saved them) goes into report.json as it is, so that a sweep restored from its
+    report plans the same runs."""
     an = analyse(results, lr_rule, meta, n_boot, fit_from)
     an["figures"], an["figures_skipped"] = plots(an, results, out)
     runs = [{**{k: r.get(k) for k in RUN_FIELDS}, "batch": r["train"]["batch_size"], "lr": r["train"]["lr"],
              **{k: v for k, v in r.items() if k not in ("history", "key")}} for r in results]
-    report = {"info": info, "data": meta, "analysis": an, "runs": runs}
+    report = {"info": info, "data": meta, "analysis": an, "runs": runs, **({"centres": centres} if centres else {})}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
     (out / "report.md").write_text(markdown(info, an, results, meta))
     return an

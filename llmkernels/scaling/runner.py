@@ -21,7 +21,7 @@ from . import data as data_mod
 from . import fit, report, surface
 from .design import centre_plan, design_from, run_order
 from .plan import H100, LRRule, ladder_models
-from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, write_json
+from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, unpack_report, write_json
 from .train import TrainConfig, set_deterministic
 from .workers import Local, Pool, Setup, Task
 
@@ -232,7 +232,9 @@ class Session:
         finished run and last (also when cut short, failed or terminated: what finished is kept)."""
         a = self.args
         if a.restore:
-            if Path(a.restore).is_file():
+            if Path(a.restore).is_file() and a.restore.endswith(".json"):
+                self.log(f"restored {unpack_report(Path(a.restore), self.out)} runs from {a.restore} into {self.out}")
+            elif Path(a.restore).is_file():
                 self.log(f"restored {unpack(Path(a.restore), self.out)} files from {a.restore} into {self.out}")
             else:
                 self.log(f"--restore: no archive at {a.restore}: starting from what {self.out} holds")
@@ -309,7 +311,8 @@ class Session:
                 "captured": sorted({r["captured"] for r in results}),
                 "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
-        an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap, self.args.fit_from)
+        an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap, self.args.fit_from,
+                          centres=read_json(self.out / "centres.json"))
         ivals = an["intervals"] or {}
 
         def est(key):

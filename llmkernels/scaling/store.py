@@ -1,6 +1,8 @@
 """The output folder's small JSON files: read (None when absent or torn), written atomically, the
 learning-rate rule and window centres saved between stages, and the whole folder's small files
-packed into one archive and restored from it (a sweep cut into calls on machines that keep nothing)."""
+packed into one archive and restored from it (a sweep cut into calls on machines that keep nothing),
+or from the report.json a sweep wrote (its runs, rule, window centres and data record: what a committed
+report keeps when the archive is gone)."""
 from __future__ import annotations
 
 import json
@@ -80,3 +82,27 @@ def unpack(archive: Path, out: Path) -> int:
         members = [m for m in tar.getmembers() if m.isfile()]
         tar.extractall(out, members=members, filter="data")
     return len(members)
+
+
+def unpack_report(report: Path, out: Path) -> int:
+    """Write the runs, learning-rate rule, window centres and data record of ``report`` (a sweep's
+    report.json) into ``out`` as the sweep itself saves them, so that a sweep whose archive is lost resumes or grows from
+    its committed report: a run is read back where its key (reconstructed here) matches the plan's.
+    Returns the number of runs written."""
+    saved = read_json(report)
+    if not saved or "runs" not in saved or "data" not in saved:
+        raise ValueError(f"--restore: {report} is not a report.json of llmkernels scaling")
+    out, fingerprint = Path(out), saved["data"]["fingerprint"]
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "data" / fingerprint).mkdir(parents=True, exist_ok=True)
+    write_json(out / "data" / fingerprint / "meta.json", saved["data"])
+    for run in saved["runs"]:
+        key = {"run": run["id"], "model": run["model"], "train": run["train"], "backend": run["backend"],
+               "dtype": run["dtype"], "data": fingerprint}
+        write_json(out / "runs" / f"{run['id']}.json", {**run, "key": key, "history": []})
+    rule = saved["analysis"].get("lr_rule")
+    if rule and rule.get("runs"):
+        write_json(out / "lr_rule.json", {k: v for k, v in rule.items() if k != "source"})
+    if saved.get("centres"):
+        write_json(out / "centres.json", saved["centres"])
+    return len(saved["runs"])

@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bars (one line per finished run stays)")
     g.add_argument("--restore", metavar="ARCHIVE", default=None,
                    help="first extract an --archive of an earlier invocation into --out (nothing when the file "
-                        "is absent), so that a sweep cut into calls on fresh machines resumes from one file")
+                        "is absent), so that a sweep cut into calls on fresh machines resumes from one file; "
+                        "a report.json restores that sweep's runs and rule instead (a lost archive's sweep "
+                        "resumes or grows from its committed report)")
     g.add_argument("--archive", metavar="ARCHIVE", default=None,
                    help="pack --out's small files (runs, fits, report, figures; not the token arrays or "
                         "checkpoints) into this .tar.gz after every finished run and last (also when cut short)")

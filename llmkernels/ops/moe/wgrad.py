@@ -9,8 +9,8 @@ an expert without rows. Rows are passed to the GEMM in expert order as its jagge
 ``offsets[1:]`` its groups' ends (``routing.sort_slots`` puts every dropped slot after the last
 expert, where the GEMM ignores it).
 
-Memory: a gathered operand is materialised in expert order, one ``[S, H]`` buffer a weight
-gradient (the scaled ``dy`` rows for ``down_proj``, then ``x``'s rows for ``gate_up_proj``; the
+Memory: a gathered operand is materialised in expert order (``kernels.sorted_rows_kernel``: the
+gather and the routing weight in one pass), one ``[S, H]`` buffer a weight gradient (the scaled ``dy`` rows for ``down_proj``, then ``x``'s rows for ``gate_up_proj``; the
 other operands, ``h`` and ``d(gate, up)``, are already sorted), and a bias's gradient adds an
 ``[S, 8]`` column of ones and an ``[E, N, 8]`` product (the sums as a GEMM: deterministic, where
 an index_add over rows would use atomics).
@@ -21,18 +21,32 @@ product is formed in the weight's own orientation, so ``.grad`` needs no copy).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import _device
+from .._launch import INTERPRET, launcher_of
+from .._triton import triton
+from . import kernels
 
 # (a [M, S], b [S, N], ends [E] int32) -> [E, M, N]: group e sums rows ends[e - 1] to ends[e].
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("triton", "grouped_mm")
 ALIGN = 8  # bf16 elements in 16 bytes: the grouped kernel's stride alignment
 ONES = 8  # columns of the ones operand of a bias's sums (the narrowest aligned width)
+
+
+class RowsTile(NamedTuple):
+    """``sorted_rows_kernel``'s tile: 8 KB of bf16 a program, enough in flight to copy at the
+    card's bandwidth."""
+    block_s: int = 32
+    block_n: int = 128
+    num_warps: int = 4
+
+
+ROWS_TILE = RowsTile()
 
 
 def grouped_mm_op() -> Optional[Gemm]:
@@ -70,12 +84,19 @@ def _sorted_rows(t: torch.Tensor, gather: bool, order: torch.Tensor, top_k: int,
                  scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``t``'s rows in expert order, contiguous: gathered by token (``order // top_k``) or
     already sorted, times ``scale`` (``[S]`` or ``[T, k]``, contiguous) at the row's slot
-    (computed in fp32, rounded once)."""
-    if gather or not t.is_contiguous():
-        t = t.index_select(0, order.long() // top_k) if gather else t.contiguous()
-    if scale is not None:
-        t = (t if gather else t.clone()).mul_(scale.view(-1)[order.long()][:, None])
-    return t
+    (computed in fp32, rounded once); ``t`` itself when it needs neither."""
+    if not gather and scale is None:
+        return t.contiguous()
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    rows, n = order.shape[0], t.shape[1]
+    out = torch.empty((rows, n), device=t.device, dtype=t.dtype)
+    tile = ROWS_TILE
+    handle = launcher_of(kernels.sorted_rows_kernel, TOP_K=top_k, GATHER=gather, HAS_SCALE=scale is not None,
+                         ROUND_BITS=INTERPRET and t.dtype == torch.bfloat16, BLOCK_S=tile.block_s, BLOCK_N=tile.block_n, num_warps=tile.num_warps)
+    handle((triton.cdiv(rows, tile.block_s) * triton.cdiv(n, tile.block_n),), t, order, t if scale is None else scale,
+           out, rows, n, t.stride(0))
+    return out
 
 
 def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int,

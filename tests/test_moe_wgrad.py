@@ -162,3 +162,25 @@ def test_moe_config_chooses_the_backend(monkeypatch, rows, experts, full, has_to
     assert configs.choose(rows, experts, 2048, 768, torch.device("cpu")).weight_grad_backend == "triton"
     with pytest.raises(ValueError, match="weight_grad_backend must be one of"):
         dataclasses.replace(INTERPRETER, weight_grad_backend="cutlass")
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "sorted"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, None], ids=["fp32", "bf16", "none"])
+def test_sorted_rows_are_torchs_gather_and_scale_bitwise(gather, scale_dtype):
+    """One pass (``kernels.sorted_rows_kernel``) gives the rows that index_select and an fp32
+    product rounded once give, bit for bit; a NaN stays in its row; a column-strided input is read."""
+    tokens, n_experts, k, n = 37, 5, 3, 40
+    index = _index(tokens, n_experts, k)
+    order, _, _ = sort_slots(index, n_experts, 16)
+    rows = tokens if gather else tokens * k
+    t = torch.randn(n, rows, device=DEVICE).bfloat16().T  # stride(1) != 1
+    t[rows // 2, 3] = float("nan")
+    scale = None if scale_dtype is None else (torch.rand(tokens, k, device=DEVICE) + 0.5).to(scale_dtype)
+    with poisoned():
+        out = wgrad._sorted_rows(t, gather, order, k, scale)
+    want = t[order.long() // k] if gather else t.contiguous()
+    if scale is not None:
+        want = (want.float() * scale.reshape(-1)[order.long()][:, None].float()).bfloat16()
+    assert out.is_contiguous() and out.dtype == t.dtype
+    assert torch.equal(out.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    assert out.isnan().sum() == want.isnan().sum() > 0

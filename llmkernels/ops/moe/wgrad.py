@@ -10,10 +10,11 @@ an expert without rows. Rows are passed to the GEMM in expert order as its jagge
 expert, where the GEMM ignores it).
 
 Memory: a gathered operand is materialised in expert order (``kernels.sorted_rows_kernel``: the
-gather and the routing weight in one pass), one ``[S, H]`` buffer a weight gradient (the scaled ``dy`` rows for ``down_proj``, then ``x``'s rows for ``gate_up_proj``; the
-other operands, ``h`` and ``d(gate, up)``, are already sorted), and a bias's gradient adds an
-``[S, 8]`` column of ones and an ``[E, N, 8]`` product (the sums as a GEMM: deterministic, where
-an index_add over rows would use atomics).
+gather and the routing weight in one pass), one ``[S, H]`` buffer a weight gradient (the scaled
+``dy`` rows for ``down_proj``, then ``x``'s rows for ``gate_up_proj``; the other operands, ``h``
+and ``d(gate, up)``, are already sorted), and a bias's gradient adds an ``[S, 8]`` column of ones
+and an ``[E, N, 8]`` product (the sums as a GEMM: deterministic, where an index_add over rows would
+use atomics).
 
 The call is usable where torch's fast kernel runs (``usable``): bf16 rows and weights, widths
 that keep every stride a multiple of 16 bytes, a weight stored contiguous or transposed (the
@@ -91,9 +92,12 @@ def _sorted_rows(t: torch.Tensor, gather: bool, order: torch.Tensor, top_k: int,
         t = t.contiguous()
     rows, n = order.shape[0], t.shape[1]
     out = torch.empty((rows, n), device=t.device, dtype=t.dtype)
+    if out.numel() == 0:
+        return out
     tile = ROWS_TILE
     handle = launcher_of(kernels.sorted_rows_kernel, TOP_K=top_k, GATHER=gather, HAS_SCALE=scale is not None,
-                         ROUND_BITS=INTERPRET and t.dtype == torch.bfloat16, BLOCK_S=tile.block_s, BLOCK_N=tile.block_n, num_warps=tile.num_warps)
+                         ROUND_BITS=INTERPRET and t.dtype == torch.bfloat16, BLOCK_S=tile.block_s,
+                         BLOCK_N=tile.block_n, num_warps=tile.num_warps)
     handle((triton.cdiv(rows, tile.block_s) * triton.cdiv(n, tile.block_n),), t, order, t if scale is None else scale,
            out, rows, n, t.stride(0))
     return out

@@ -22,7 +22,7 @@ import torch
 from llmkernels import cli
 from llmkernels.scaling import data as data_mod
 from llmkernels.scaling import design as design_mod
-from llmkernels.scaling import fit, plan, report, runner, sweep
+from llmkernels.scaling import fit, plan, report, runner, store, sweep
 from llmkernels.scaling import train as train_mod
 from llmkernels.scaling.model import GPT, ops_run
 from llmkernels.scaling.plan import ModelConfig
@@ -554,6 +554,23 @@ def _archived(archive) -> set:
             return {m.split("/", 1)[1] for m in tar.getnames() if m.startswith("runs/") and m.endswith(".json")}
     except (OSError, tarfile.TarError):
         return set()
+
+
+def test_report_restores_a_diverged_run_with_the_sweeps_dtype(tmp_path):
+    """A diverged run's record (no loss, no dtype) comes back from a report with the key the sweep
+    gave it, so that it is not trained again."""
+    model, train = {"n_layers": 1, "width": 16}, {"steps": 5, "lr": 0.01}
+    runs = [{"id": "a", "model": model, "train": train, "backend": "kernels", "dtype": "bfloat16", "val_loss": 1.0},
+            {"id": "b", "model": model, "train": train, "backend": "kernels", "val_loss": None, "diverged": "nan"}]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"data": {"fingerprint": "f"}, "analysis": {"lr_rule": None}, "runs": runs}))
+    assert store.unpack_report(path, tmp_path / "out") == 2
+    for run in runs:
+        back = json.loads((tmp_path / "out" / "runs" / f"{run['id']}.json").read_text())
+        assert back["key"] == {"run": run["id"], "model": model, "train": train, "backend": "kernels",
+                               "dtype": "bfloat16", "data": "f"}
+    assert json.loads((tmp_path / "out" / "data" / "f" / "meta.json").read_text()) == {"fingerprint": "f"}
+    assert not (tmp_path / "out" / "lr_rule.json").exists() and not (tmp_path / "out" / "centres.json").exists()
 
 
 def test_seed_gives_an_independent_replicate():

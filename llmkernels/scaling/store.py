@@ -96,9 +96,11 @@ def unpack_report(report: Path, out: Path) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "data" / fingerprint).mkdir(parents=True, exist_ok=True)
     write_json(out / "data" / fingerprint / "meta.json", saved["data"])
+    # (a diverged run's record names no dtype: the sweep's, which every run shares)
+    dtype = next((run["dtype"] for run in saved["runs"] if run.get("dtype")), None)
     for run in saved["runs"]:
         key = {"run": run["id"], "model": run["model"], "train": run["train"], "backend": run["backend"],
-               "dtype": run["dtype"], "data": fingerprint}
+               "dtype": run.get("dtype") or dtype, "data": fingerprint}
         write_json(out / "runs" / f"{run['id']}.json", {**run, "key": key, "history": []})
     rule = saved["analysis"].get("lr_rule")
     if rule and rule.get("runs"):

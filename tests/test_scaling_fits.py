@@ -237,7 +237,7 @@ def test_lr_sweep_extends_where_the_shared_rule_puts_a_size_beyond_its_rates(see
     """A size tried only above its optimum, whose middle rate is best by noise: its own parabola
     would set the rule there, but the parabola shared by the sizes puts its optimum below every rate
     tried. The rule falls back to the sizes' own optima for now, and the design tries that size one
-    rate lower (the replicate f1's L6-W256, whose own optimum doubled its sweep's c)."""
+    rate lower."""
     rng = np.random.default_rng(seed)
     d, hp = design_mod.Design(), plan.HParams()
     ratio = max(d.lr_mults) / sorted(d.lr_mults)[-2]

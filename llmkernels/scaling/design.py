@@ -175,8 +175,7 @@ class Design:
 def run_order(runs) -> list:
     """The order runs are handed out in: longest first, so that the processes end together, and
     under a time limit the longest runs start early in a call rather than being left, each alone,
-    to a last call of their own (budget by budget, f0's three longest 2e16 runs took its last call's
-    6.5 minutes on four GPUs)."""
+    to a last call of their own."""
     return sorted(runs, key=lambda r: -H100.run_seconds(r))
 
 

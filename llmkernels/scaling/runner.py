@@ -232,12 +232,13 @@ class Session:
         finished run and last (also when cut short, failed or terminated: what finished is kept)."""
         a = self.args
         if a.restore:
-            if Path(a.restore).is_file() and a.restore.endswith(".json"):
-                self.log(f"restored {unpack_report(Path(a.restore), self.out)} runs from {a.restore} into {self.out}")
-            elif Path(a.restore).is_file():
-                self.log(f"restored {unpack(Path(a.restore), self.out)} files from {a.restore} into {self.out}")
-            else:
+            source = Path(a.restore)
+            if not source.is_file():
                 self.log(f"--restore: no archive at {a.restore}: starting from what {self.out} holds")
+            elif source.suffix == ".json":
+                self.log(f"restored {unpack_report(source, self.out)} runs from {a.restore} into {self.out}")
+            else:
+                self.log(f"restored {unpack(source, self.out)} files from {a.restore} into {self.out}")
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         aborted = True

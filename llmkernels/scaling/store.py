@@ -86,9 +86,9 @@ def unpack(archive: Path, out: Path) -> int:
 
 def unpack_report(report: Path, out: Path) -> int:
     """Write the runs, learning-rate rule, window centres and data record of ``report`` (a sweep's
-    report.json) into ``out`` as the sweep itself saves them, so that a sweep whose archive is lost resumes or grows from
-    its committed report: a run is read back where its key (reconstructed here) matches the plan's.
-    Returns the number of runs written."""
+    report.json) into ``out`` as the sweep itself saves them, so that a sweep whose archive is lost
+    resumes or grows from its committed report: a run is read back where its key (rebuilt here)
+    matches the plan's. Returns the number of runs written."""
     saved = read_json(report)
     if not saved or "runs" not in saved or "data" not in saved:
         raise ValueError(f"--restore: {report} is not a report.json of llmkernels scaling")

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--restore", metavar="ARCHIVE", default=None,
                    help="first extract an --archive of an earlier invocation into --out (nothing when the file "
                         "is absent), so that a sweep cut into calls on fresh machines resumes from one file; "
-                        "a report.json restores that sweep's runs and rule instead (a lost archive's sweep "
+                        "a report.json restores that sweep's runs, rule and window centres instead (a lost archive's sweep "
                         "resumes or grows from its committed report)")
     g.add_argument("--archive", metavar="ARCHIVE", default=None,
                    help="pack --out's small files (runs, fits, report, figures; not the token arrays or "

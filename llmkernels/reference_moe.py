@@ -94,7 +94,7 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(compute_dtype)
     for logits in router_logits:
         probs = torch.softmax(logits.to(compute_dtype), dim=-1)
-        chosen = F.one_hot(topk_lowest_index(probs, top_k)[1], num_experts).to(compute_dtype).sum(1)  # [T, E]
+        chosen = torch.zeros_like(probs).scatter_(1, topk_lowest_index(probs, top_k)[1], 1.0)  # [T, E] of 0/1
         if mask is None:
             counts, prob_sum, rows = counts + chosen.sum(0), prob_sum + probs.sum(0), rows + probs.shape[0]
         else:

@@ -87,6 +87,27 @@ def test_patched_moe_model_trains_like_unpatched(model_type):
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
 
 
+def test_patched_moe_aux_loss_leaves_padding_out_as_transformers():
+    """With an attention mask that pads, the auxiliary loss (llmkernels' own, in the patched
+    forward) leaves the padded tokens out of the experts' shares as transformers' does."""
+    torch.manual_seed(0)
+    model = make_moe("olmoe")
+    patched = copy.deepcopy(model)
+    ids, _ = batch(0, model.config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[-1, -2:] = 0
+    ref_losses, (ref_loss, _, ref_grads) = train(model, 2, attention_mask=mask)
+    llmkernels.patch(patched)
+    losses, (loss, _, grads) = train(patched, 2, attention_mask=mask)
+    assert rel_err(loss, ref_loss) < 1e-5
+    router = [name for name in grads if ".gate." in name or "router" in name]
+    assert router, list(grads)
+    for name in router:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-4, name
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 training is the GPU's: the interpreter rounds toward zero and "
                                              "takes minutes for 40 steps")

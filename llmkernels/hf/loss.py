@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import math
 from typing import Callable, Optional
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from ..ops.losses.linear_cross_entropy import linear_cross_entropy
+from ..ops.moe.router import moe_load_balancing_loss
 from .families import Family
 from .marks import mark
 
@@ -83,11 +83,10 @@ def _fused_loss_forward(self, family: Family, output: tuple, labels, kwargs):
     loss = _causal_lm_loss(self, family, outputs.last_hidden_state, labels, kwargs)
     aux_loss = None
     if is_moe and kwargs["output_router_logits"]:
-        # (the family's modeling module: FSDP2 makes the model's class a subclass defined in torch)
-        balance = importlib.import_module(
-            f"transformers.models.{family.module}.modeling_{family.module}").load_balancing_loss_func
-        aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
-                           kwargs.get("attention_mask"))
+        # The families' load_balancing_loss_func, without the host synchronisations of its
+        # bincount in transformers' older 5.x releases, which drain the GPU's queue every layer.
+        aux_loss = moe_load_balancing_loss(outputs.router_logits, self.num_experts_per_tok,
+                                           kwargs.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     values = {name: getattr(outputs, name, None) for name in fields if name not in ("loss", "logits", "aux_loss")}
     if "aux_loss" in fields:

@@ -2,16 +2,53 @@
 written beside the benchmark's results (``moe_train.py --profile``, ``moe_lora_bench.py --profile``)."""
 from __future__ import annotations
 
+import re
+from collections import defaultdict
+
+# Host calls after which the GPU's queue can run dry: a copy to or from pageable host memory and
+# the waits. The third table names the Python lines that made them.
+WAITS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+STACK_FRAMES = 4  # the innermost Python frames that name a wait's caller
+FRAME = re.compile(r".+\(\d+\): \S+$")  # a traced Python call's event name: "file.py(123): function"
+
+
+def python_frames(event, frames: int = STACK_FRAMES) -> tuple:
+    """The innermost ``frames`` Python frames around a profiler ``event`` (``file(line): name``),
+    from the nearest enclosing op's recorded stack or, where the profiler traced Python calls as
+    events of their own, from the enclosing call events."""
+    found, owner = [], event
+    while owner is not None and len(found) < frames:
+        if owner.stack:
+            return tuple(found + list(owner.stack))[:frames]
+        if FRAME.match(owner.name):
+            found.append(owner.name)
+        owner = owner.cpu_parent
+    return tuple(found) or ("(no Python frame)",)
+
+
+def wait_sources(events, names=WAITS, frames: int = STACK_FRAMES) -> list:
+    """``[(name, python frames, calls, self CPU us)]`` of the profiler's ``events`` (recorded
+    ``with_stack``) whose name is in ``names``, grouped by ``python_frames``, most host time
+    first."""
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.name in names:
+            group = groups[(e.name, python_frames(e, frames))]
+            group[0] += 1
+            group[1] += e.self_cpu_time_total
+    return sorted(((name, where, n, us) for (name, where), (n, us) in groups.items()), key=lambda row: -row[3])
+
 
 def write_profile(run, device, path: str, rows: int = 40) -> None:
     """Runs ``run()`` (a few training steps) under ``torch.profiler`` and writes to ``path`` the
     device-time table, to see where a step's GPU time goes, then the host-time table (self CPU),
-    to see where a host-bound step goes."""
+    to see where a host-bound step goes, then where the host copied or waited (``wait_sources``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+    # (Python frames on a GPU only: traced through Triton's interpreter, a CPU step takes minutes)
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=cuda) as prof:
         run()
         if cuda:
             torch.cuda.synchronize()
@@ -19,4 +56,7 @@ def write_profile(run, device, path: str, rows: int = 40) -> None:
     with open(path, "w") as f:
         if cuda:
             f.write(table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90) + "\n")
-        f.write(table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90))
+        f.write(table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90) + "\n\n")
+        f.write("Host copies and waits by the Python lines that made them (calls, self CPU):\n")
+        for name, where, calls, us in wait_sources(prof.events())[:rows]:
+            f.write(f"{name}: {calls} calls, {us / 1e3:.3f} ms\n" + "".join(f"    {frame}\n" for frame in where))

@@ -85,6 +85,30 @@ def test_moe_tiles_tiny(tmp_path):
 
 
 
+def _reads_a_scalar(x):
+    return (x * 2).sum().item()
+
+
+def test_wait_sources_name_the_python_line_that_waited():
+    """The profile's third table groups a host wait by the Python frames that made it (here the
+    CPU's scalar read, which on a GPU is a copy and a wait)."""
+    if os.path.join(ROOT, "benchmarks") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from profiling import wait_sources
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(3):
+            _reads_a_scalar(x)
+        x.sum()
+    rows = wait_sources(prof.events(), names=("aten::_local_scalar_dense",))
+    assert len(rows) == 1, rows
+    name, frames, calls, us = rows[0]
+    assert name == "aten::_local_scalar_dense" and calls == 3 and us > 0
+    assert "_reads_a_scalar" in frames[0], frames
+
+
 def _tiles_module():
     """benchmarks/moe_tiles.py as a module (with benchmarks/ on the path, as the script runs)."""
     if os.path.join(ROOT, "benchmarks") not in sys.path:
@@ -152,7 +176,8 @@ def test_moe_train_tiny(tmp_path):
     assert providers["hf_eager"]["experts_implementation"] == "eager"
     for name in ("hf_eager", "llmkernels"):  # the host-time table (a CPU run has no device table)
         with open(tmp_path / f"moe_train_profile_{name}.txt") as f:
-            assert "Self CPU" in f.read()
+            text = f.read()
+            assert "Self CPU" in text and "Host copies and waits" in text
     assert any(p.startswith("Qwen3MoeExperts.forward -> llmkernels.moe_experts") for p in
                providers["llmkernels"]["patched"]), providers["llmkernels"]["patched"]
     liger = providers["liger"]

@@ -84,7 +84,6 @@ def test_moe_tiles_tiny(tmp_path):
         assert "grouped" in by_torch["status"], by_torch["status"]
 
 
-
 def _reads_a_scalar(x):
     return (x * 2).sum().item()
 

@@ -1,8 +1,9 @@
 """Mixture-of-Experts experts on ``llmkernels.moe_experts``: transformers' 3-D experts modules
 (``*Experts(hidden_states, top_k_index, top_k_weights)``, whatever ``experts_implementation``
 they were built with) run as grouped GEMMs reading their weights in place, with the expert
-adapters of ``lora.py`` when attached. The family's router (and so its auxiliary loss, computed
-by transformers from the router logits) is left as it is.
+adapters of ``lora.py`` when attached. The family's router is left as it is; its auxiliary loss
+is computed from the router logits by transformers, or, in the fused-loss forward of ``loss.py``,
+by ``moe_load_balancing_loss`` (the same value, with no read back to the host).
 
 Three ways in: ``patch(model)`` binds the replacement to each experts module;
 ``patch_model_type`` replaces the class's ``forward``; and ``experts_implementation=

@@ -2,6 +2,8 @@
 (``llmkernels::moe_experts_fwd`` / ``_bwd``) give the eager results, forward and backward, and
 ``torch.library.opcheck`` passes on the arguments ``moe_experts`` gives them. On CPU the
 ``aot_eager`` backend runs the real kernels through Triton's interpreter."""
+import copy
+
 import pytest
 import torch
 
@@ -75,8 +77,6 @@ def test_compiled_patched_moe_model_matches_eager():
     """A patched Qwen3-MoE compiles with ``fullgraph=True`` whole, the fused loss and the router's
     auxiliary loss included (no read back to the host to break the graph), and gives the eager
     unpatched model's loss and gradients."""
-    import copy
-
     pytest.importorskip("transformers")
     from llmkernels import hf
     from tests.test_moe_hf import batch, make_moe

@@ -84,6 +84,13 @@ def test_moe_tiles_tiny(tmp_path):
         assert "grouped" in by_torch["status"], by_torch["status"]
 
 
+def _benchmarks_module(name: str):
+    """benchmarks/<name>.py as a module (with benchmarks/ on the path, as the scripts run)."""
+    if os.path.join(ROOT, "benchmarks") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    return importlib.import_module(name)
+
+
 def _reads_a_scalar(x):
     return (x * 2).sum().item()
 
@@ -91,11 +98,9 @@ def _reads_a_scalar(x):
 def test_wait_sources_name_the_python_line_that_waited():
     """The profile's third table groups a host wait by the Python frames that made it (here the
     CPU's scalar read, which on a GPU is a copy and a wait)."""
-    if os.path.join(ROOT, "benchmarks") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from profiling import wait_sources
     from torch.profiler import ProfilerActivity, profile
 
+    wait_sources = _benchmarks_module("profiling").wait_sources
     x = torch.randn(64)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(3):
@@ -108,17 +113,10 @@ def test_wait_sources_name_the_python_line_that_waited():
     assert "_reads_a_scalar" in frames[0], frames
 
 
-def _tiles_module():
-    """benchmarks/moe_tiles.py as a module (with benchmarks/ on the path, as the script runs)."""
-    if os.path.join(ROOT, "benchmarks") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    return importlib.import_module("moe_tiles")
-
-
 def test_moe_tiles_records_mismatch_and_compile_error():
     """A candidate whose results differ from the default's is not timed; one that does not
     compile records its error; neither raises."""
-    tiles = _tiles_module()
+    tiles = _benchmarks_module("moe_tiles")
     import moe_bench
 
     device = torch.device("cpu")
@@ -136,7 +134,7 @@ def test_moe_tiles_records_mismatch_and_compile_error():
 
 
 def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
-    tiles = _tiles_module()
+    tiles = _benchmarks_module("moe_tiles")
     cpu = torch.device("cpu")
     fast_gate_up = tiles.candidate_config(tiles.BY_NAME["gate_up-128x128x64-w8-s3"], INTERPRETER, cpu)
     fast_weight_grad = tiles.candidate_config(tiles.BY_NAME["weight_grad-128x128x64-w8-s3"], INTERPRETER, cpu)

@@ -15,7 +15,7 @@ FRAME = re.compile(r".+\(\d+\): \S+$")  # a traced Python call's event name: "fi
 def python_frames(event, frames: int = STACK_FRAMES) -> tuple:
     """The innermost ``frames`` Python frames around a profiler ``event`` (``file(line): name``),
     from the nearest enclosing op's recorded stack or, where the profiler traced Python calls as
-    events of their own, from the enclosing call events."""
+    events of their own, from the enclosing call events; ``()`` when its parents carry none."""
     found, owner = [], event
     while owner is not None and len(found) < frames:
         if owner.stack:
@@ -23,17 +23,29 @@ def python_frames(event, frames: int = STACK_FRAMES) -> tuple:
         if FRAME.match(owner.name):
             found.append(owner.name)
         owner = owner.cpu_parent
-    return tuple(found) or ("(no Python frame)",)
+    return tuple(found)
+
+
+def enclosing_calls(event, calls: list, frames: int = STACK_FRAMES) -> tuple:
+    """The innermost ``frames`` traced Python ``calls`` whose time spans ``event``'s, on any thread:
+    the CUDA runtime's own events (a copy, a wait) often come without a parent op on the host
+    thread that made them, so their time is what places them."""
+    start, end = event.time_range.start, event.time_range.end
+    around = [c for c in calls if c.time_range.start <= start and c.time_range.end >= end]
+    around.sort(key=lambda c: -c.time_range.start)
+    return tuple(c.name for c in around[:frames])
 
 
 def wait_sources(events, names=WAITS, frames: int = STACK_FRAMES) -> list:
     """``[(name, python frames, calls, self CPU us)]`` of the profiler's ``events`` (recorded
-    ``with_stack``) whose name is in ``names``, grouped by ``python_frames``, most host time
-    first."""
+    ``with_stack``) whose name is in ``names``, grouped by ``python_frames`` (or, where an event
+    has no parent with a frame, ``enclosing_calls``), most host time first."""
+    calls = [e for e in events if FRAME.match(e.name)]
     groups = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.name in names:
-            group = groups[(e.name, python_frames(e, frames))]
+            where = python_frames(e, frames) or enclosing_calls(e, calls, frames) or ("(no Python frame)",)
+            group = groups[(e.name, where)]
             group[0] += 1
             group[1] += e.self_cpu_time_total
     return sorted(((name, where, n, us) for (name, where), (n, us) in groups.items()), key=lambda row: -row[3])

@@ -113,6 +113,28 @@ def test_wait_sources_name_the_python_line_that_waited():
     assert "_reads_a_scalar" in frames[0], frames
 
 
+def test_wait_sources_place_a_runtime_event_without_parent_by_its_time():
+    """A CUDA runtime copy recorded without a parent op (on another thread id) is named by the
+    traced Python calls whose time spans it, innermost first."""
+    from types import SimpleNamespace
+
+    profiling = _benchmarks_module("profiling")
+
+    def event(name, start, end, parent=None, cpu_us=0.0):
+        return SimpleNamespace(name=name, stack=[], cpu_parent=parent, self_cpu_time_total=cpu_us,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    outer = event("train.py(40): step", 0, 100)
+    inner = event("moe.py(12): route", 10, 30, parent=outer)
+    later = event("moe.py(50): combine", 40, 60, parent=outer)
+    orphan = event("cudaMemcpyAsync", 20, 21, cpu_us=7.0)
+    rows = profiling.wait_sources([outer, inner, later, orphan, event("cudaMemcpyAsync", 45, 46, cpu_us=2.0)])
+    assert rows == [("cudaMemcpyAsync", ("moe.py(12): route", "train.py(40): step"), 1, 7.0),
+                    ("cudaMemcpyAsync", ("moe.py(50): combine", "train.py(40): step"), 1, 2.0)], rows
+    lost = event("cudaMemcpyAsync", 200, 201, cpu_us=1.0)
+    assert profiling.wait_sources([outer, lost])[0][1] == ("(no Python frame)",)
+
+
 def test_moe_tiles_records_mismatch_and_compile_error():
     """A candidate whose results differ from the default's is not timed; one that does not
     compile records its error; neither raises."""

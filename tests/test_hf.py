@@ -149,8 +149,10 @@ def batch(step: int, vocab: int = VOCAB):
     return ids.to(DEVICE), labels.to(DEVICE)
 
 
-def train(model, steps: int, **inputs):
-    """Loss of each of ``steps`` AdamW steps on one batch, and logits and gradients of the first."""
+def train(model, steps: int, record_first: bool = True, **inputs):
+    """Loss of each of ``steps`` AdamW steps on one batch, and logits and gradients of the first
+    (``record_first``: a model without logits in its output runs a second forward for them, which
+    under FSDP2 leaves the root's gathered parameters stale for the next step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     losses, first = [], None
@@ -158,7 +160,7 @@ def train(model, steps: int, **inputs):
     for step in range(steps):
         out = model(input_ids=ids, labels=labels, **inputs)
         out.loss.backward()
-        if step == 0:
+        if step == 0 and record_first:
             with torch.no_grad():
                 logits = (model(input_ids=ids, return_logits=True, **inputs).logits if out.logits is None
                           else out.logits)

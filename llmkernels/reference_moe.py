@@ -22,7 +22,7 @@ Nothing here imports llmkernels.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -121,34 +121,34 @@ class Lora(NamedTuple):
     scale: float
 
 
-def rounded(t: torch.Tensor, dtype: torch.dtype, round_to: Optional[Callable] = None) -> torch.Tensor:
-    """``t`` rounded to ``dtype`` (to nearest, or by ``round_to(t, dtype)``), in t's dtype."""
-    return t.to(dtype).to(t.dtype) if round_to is None else round_to(t, dtype)
+def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` (to nearest), in t's dtype."""
+    return t.to(dtype).to(t.dtype)
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0,
-          out_dtype=None, round_to: Optional[Callable] = None) -> torch.Tensor:
+          out_dtype=None) -> torch.Tensor:
     """The expert's gated activation of ``gate, up`` (values in the model's dtype, arithmetic in
     theirs), rounded to ``out_dtype`` where the eager MLP rounds: ``act(gate)`` and the product
     (the value returned in the arithmetic's dtype)."""
     out_dtype = out_dtype or gate.dtype
     if activation == "clamped_swiglu":
         g = gate.clamp(max=limit)
-        return rounded((up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g)), out_dtype, round_to)
+        return rounded((up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g)), out_dtype)
     act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}[activation]
-    return rounded(rounded(act(gate), out_dtype, round_to) * up, out_dtype, round_to)
+    return rounded(rounded(act(gate), out_dtype) * up, out_dtype)
 
 
 def _logical(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w.transpose(-1, -2) if transposed else w
 
 
-def _project(x, w, lora, e, scale, dtype, round_to):
+def _project(x, w, lora, e, scale, dtype):
     """``x w[e]^T`` (+ the adapter's part), x and w in the compute dtype, ``dtype`` the model's."""
     out = x @ w[e].T
     if lora is not None:
-        a, b = (rounded(t[e].to(x.dtype), dtype, round_to) for t in lora)
-        out = out + rounded(scale * (x @ a.T), dtype, round_to) @ b.T
+        a, b = (rounded(t[e].to(x.dtype), dtype) for t in lora)
+        out = out + rounded(scale * (x @ a.T), dtype) @ b.T
     return out
 
 
@@ -156,13 +156,12 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
             down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor] = None,
             down_bias: Optional[torch.Tensor] = None, *, activation: str = "silu", interleaved: bool = False,
             transposed: bool = False, alpha: float = 1.702, limit: float = 7.0, lora: Optional[Lora] = None,
-            compute_dtype=torch.float32, model_dtype: Optional[torch.dtype] = None,
-            round_to: Optional[Callable] = None) -> torch.Tensor:
+            compute_dtype=torch.float32, model_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype: for each expert e and each slot (t, j)
     routed to it, ``y = down_e(act(gate_up_e(x[t])))``, rounded to the model's dtype, and
     ``out[t] = sum_j top_k_weights[t, j] * y`` (the sum in ``compute_dtype``, rounded once).
     ``model_dtype``: the dtype the values are rounded to on the way (default x's; the model's
-    where x is an upcast copy); ``round_to``: how (``rounded``; default to nearest)."""
+    where x is an upcast copy)."""
     dtype, c = model_dtype or x.dtype, compute_dtype
     wgu, wd = _logical(gate_up_proj, transposed).to(c), _logical(down_proj, transposed).to(c)
     inter = wd.shape[-1]
@@ -173,16 +172,16 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
         if token.numel() == 0:
             continue
         scale = None if lora is None else lora.scale
-        gu = _project(xc[token], wgu, None if lora is None else lora.gate_up, e, scale, dtype, round_to)
+        gu = _project(xc[token], wgu, None if lora is None else lora.gate_up, e, scale, dtype)
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(c)
-        gu = rounded(gu, dtype, round_to)  # the projection's output in the model's dtype
+        gu = rounded(gu, dtype)  # the projection's output in the model's dtype
         gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :inter], gu[:, inter:])
-        h = gated(gate, up, activation, alpha, limit, out_dtype=dtype, round_to=round_to)
-        y = _project(h, wd, None if lora is None else lora.down, e, scale, dtype, round_to)
+        h = gated(gate, up, activation, alpha, limit, out_dtype=dtype)
+        y = _project(h, wd, None if lora is None else lora.down, e, scale, dtype)
         if down_bias is not None:
             y = y + down_bias[e].to(c)
-        out.index_put_((token,), rounded(y, dtype, round_to) * top_k_weights[token, slot, None].to(c),
+        out.index_put_((token,), rounded(y, dtype) * top_k_weights[token, slot, None].to(c),
                        accumulate=True)
     return rounded(out, dtype).to(x.dtype)
 

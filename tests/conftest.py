@@ -18,8 +18,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # torch.set_default_device("cuda"): every tensor an op makes must name its device.
 if os.environ.get("LLMKERNELS_TEST_DEFAULT_DEVICE"):
     torch.set_default_device(os.environ["LLMKERNELS_TEST_DEFAULT_DEVICE"])
-# Triton's interpreter rounds fp32 -> bf16 toward zero; the GPU rounds to nearest even. Results
-# that are exact on the GPU may differ by one bf16 ulp under the interpreter.
+# The kernels run under Triton's interpreter on the CPU (llmkernels.ops._launch rounds its fp32 ->
+# bf16 conversions to nearest even, as the GPU does); some shapes take too long there.
 INTERPRETED = DEVICE == "cpu"
 
 

@@ -10,12 +10,11 @@ import torch
 import llmkernels as lk
 from llmkernels import reference_moe
 from llmkernels.testing import poisoned
-from llmkernels.fuzz.specs import toward_zero
 from llmkernels.ops._triton import tl, triton
 from llmkernels.ops.moe import GemmTiles, MoeConfig, kernels
 from llmkernels.ops.moe.configs import CombineTiles
 
-from tests.conftest import DEVICE, INTERPRETED
+from tests.conftest import DEVICE
 from tests.helpers import assert_close, bad_input_test
 
 # name -> experts, top-k, hidden, intermediate, options of moe_experts, biases
@@ -26,9 +25,6 @@ LAYOUTS = {
     "odd": (3, 2, 23, 13, dict(activation="silu"), False),
 }
 TOKENS = 13
-# The interpreter rounds fp32 -> bf16 toward zero (conftest), the reference then too: the
-# roundings of a slot's path (gate/up, silu(gate), h, y) each shrink it by up to one ulp.
-ROUND_TO = toward_zero if INTERPRETED else None
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +64,7 @@ def check(x, index, weights, experts, options, dtype, *, config=None):
     ref = reference_moe.experts(refs["x"].reshape(-1, x.shape[-1]), index.reshape(-1, index.shape[-1]),
                                 refs["top_k_weights"].reshape(-1, index.shape[-1]), **ref_experts, **opts,
                                 transposed=options.get("transposed", False), compute_dtype=torch.float64,
-                                model_dtype=dtype, round_to=ROUND_TO)
+                                model_dtype=dtype)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert_close(out, ref.view(out.shape), dtype, "out")
     d_out = torch.randn_like(out) * 3

@@ -12,7 +12,7 @@ from llmkernels.ops.moe import ExpertLora
 
 from tests.conftest import DEVICE
 from tests.helpers import assert_close, bad_input_test
-from tests.test_moe import LAYOUTS, ROUND_TO, TOKENS, make_weights, routed
+from tests.test_moe import LAYOUTS, TOKENS, make_weights, routed
 
 RANK = 4
 
@@ -53,7 +53,7 @@ def check_lora(layout, dtype, adapter_dtype, *, frozen=True, which=("gate_up", "
     opts = {n: v for n, v in options.items() if n != "transposed"}
     ref = reference_moe.experts(refs["x"], index, refs["top_k_weights"], **ref_experts, **opts, lora=ref_lora,
                                 transposed=options.get("transposed", False), compute_dtype=torch.float64,
-                                model_dtype=dtype, round_to=ROUND_TO)
+                                model_dtype=dtype)
     assert_close(out, ref, dtype, "out")
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, list(leaves.values()), d_out)

@@ -73,14 +73,6 @@ def _common_bad(d: Draw, args: dict, tensors: tuple, options: dict) -> list:
     return bad
 
 
-def toward_zero(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` rounded to ``dtype`` toward zero (``.to`` rounds to nearest), in ``t``'s dtype."""
-    r = t.to(dtype).to(t.dtype)
-    mantissa, exponent = torch.frexp(r)
-    ulp = torch.ldexp(torch.full_like(mantissa, torch.finfo(dtype).eps), exponent - 1)  # spacing in [2^(e-1), 2^e)
-    return torch.where(r.abs() > t.abs(), r - torch.sign(r) * ulp, r)
-
-
 def _one_bad(d: Draw, table: dict) -> dict:
     """One of an op's bad option values, drawn."""
     name = d.choice(list(table))
@@ -119,14 +111,14 @@ def norm(d: Draw, is_rms: bool) -> Case:
     def reference_norm(a, c):
         """The reference on upcast arguments, with ``h = x + residual`` stored in the dtype the op
         stores it in (part of its definition; upcast inputs would keep it exact): rounded in value,
-        straight through for the gradient. The float32 pass rounds toward zero, so that the spread
-        of the two passes admits a sum that lies half-way between two values of that dtype
-        (Triton's interpreter rounds so), which an ill-conditioned row (LayerNorm of 2 nearly
-        equal values) turns into a large difference."""
+        straight through for the gradient. Each pass rounds its own sum, so that the spread of the
+        two passes admits a sum that the kernel's fp32 addition puts on the other side of a
+        half-way point, which an ill-conditioned row (LayerNorm of 2 nearly equal values) turns
+        into a large difference."""
         if a["residual"] is None:
             return ref(**a, compute_dtype=c)
         h = a["x"] + a["residual"]
-        h = h + ((h.to(h_dtype).to(c) if c == torch.float64 else toward_zero(h, h_dtype)) - h).detach()
+        h = h + (h.to(h_dtype).to(c) - h).detach()
         y = ref(**{**a, "x": h, "residual": None, "prenorm": False}, compute_dtype=c)
         return (y, h) if a["prenorm"] else y
 
@@ -420,12 +412,8 @@ def moe_experts(d: Draw) -> Case:
         args["lora"] = None if pairs == [None, None] else lk.ExpertLora(*pairs, d.choice((0.5, 2.0)))
 
     def ref(a, c):
-        """The float32 pass rounds toward zero under the interpreter (which rounds so) at the
-        reference's roundings: several a slot, each up to an ulp, in one direction."""
-        truncates = c == torch.float32 and a["x"].device.type == "cpu"
         lora = None if a["lora"] is None else reference_moe.Lora(*a["lora"])
-        return (reference_moe.experts(**{**a, "lora": lora}, compute_dtype=c, model_dtype=dtype,
-                                      round_to=toward_zero if truncates else None),)
+        return (reference_moe.experts(**{**a, "lora": lora}, compute_dtype=c, model_dtype=dtype),)
 
     tensors = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
     # (torch.clamp passes no gradient to a NaN: gpt-oss's clamps keep a NaN of x out of dx)

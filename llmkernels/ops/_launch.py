@@ -48,8 +48,35 @@ def _interpreter_loop_bounds_compat() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _interpreter_bf16_rounding() -> None:
+    """Triton's interpreter converts fp32 to bf16 by dropping the low 16 bits (toward zero), where
+    the GPU rounds to nearest even: convert as the GPU does, so that a kernel's results under the
+    interpreter are its results on the GPU, and neither the kernels nor their references need a
+    path of their own for the CPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    convert = builder.cast_impl
+    if getattr(convert, "_llmkernels", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return convert(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        even = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        quiet_nan = (bits >> 16) | 0x40
+        out = np.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet_nan, even).astype(np.uint16)
+        return interpreter.TensorHandle(out.reshape(np.shape(src.data)), tl.bfloat16)
+
+    cast_impl._llmkernels = True
+    builder.cast_impl = cast_impl
+
+
 if INTERPRET:
     _interpreter_loop_bounds_compat()
+    _interpreter_bf16_rounding()
 
 
 def use_kernels(t: torch.Tensor) -> bool:

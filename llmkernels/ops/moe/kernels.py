@@ -286,12 +286,10 @@ def down_bwd_kernel(DY, ORDER, TILES, OFFS, W, LA, LB, GU, WEIGHTS, DGU, HS, P, 
 
 @triton.jit
 def sorted_rows_kernel(SRC, ORDER, SCALE, DST, S, N, stride_src, TOP_K: tl.constexpr, GATHER: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, ROUND_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       HAS_SCALE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     """``DST[r] = SRC[ORDER[r] // TOP_K if GATHER else r] * SCALE[ORDER[r]]`` (no factor unless
     HAS_SCALE), the product in fp32 rounded once to nearest even: a GEMM operand's rows in expert
-    order in one pass, the gather and the routing weight together. ROUND_BITS (the interpreter,
-    bf16 rows): round on the fp32 bits first, as the interpreter's conversion truncates."""
+    order in one pass, the gather and the routing weight together."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     rows = ((pid // n_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
@@ -303,10 +301,6 @@ def sorted_rows_kernel(SRC, ORDER, SCALE, DST, S, N, stride_src, TOP_K: tl.const
     v = tl.load(SRC + src[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
     if HAS_SCALE:
         v = v.to(tl.float32) * tl.load(SCALE + slots, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        if ROUND_BITS:
-            bits = v.to(tl.uint32, bitcast=True)
-            even = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            v = tl.where(v == v, even, v)
     tl.store(DST + rows[:, None] * N + cols[None, :], v.to(DST.dtype.element_ty), mask=mask)
 
 

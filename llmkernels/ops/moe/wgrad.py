@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _device
-from .._launch import INTERPRET, launcher_of
+from .._launch import launcher_of
 from .._triton import triton
 from . import kernels
 
@@ -96,8 +96,7 @@ def _sorted_rows(t: torch.Tensor, gather: bool, order: torch.Tensor, top_k: int,
         return out
     tile = ROWS_TILE
     handle = launcher_of(kernels.sorted_rows_kernel, TOP_K=top_k, GATHER=gather, HAS_SCALE=scale is not None,
-                         ROUND_BITS=INTERPRET and t.dtype == torch.bfloat16, BLOCK_S=tile.block_s,
-                         BLOCK_N=tile.block_n, num_warps=tile.num_warps)
+                         BLOCK_S=tile.block_s, BLOCK_N=tile.block_n, num_warps=tile.num_warps)
     handle((triton.cdiv(rows, tile.block_s) * triton.cdiv(n, tile.block_n),), t, order, t if scale is None else scale,
            out, rows, n, t.stride(0))
     return out

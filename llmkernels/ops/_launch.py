@@ -74,9 +74,75 @@ def _interpreter_bf16_rounding() -> None:
     builder.cast_impl = cast_impl
 
 
+def _tensors_in(arg):
+    """The tensors of a kernel argument: itself, a tuple's, a TMA descriptor's base."""
+    if isinstance(arg, tuple):
+        for a in arg:
+            yield from _tensors_in(a)
+    elif hasattr(arg, "untyped_storage"):
+        yield arg
+    elif hasattr(arg, "base") and hasattr(arg.base, "untyped_storage"):
+        yield arg.base
+
+
+def _interpreter_bounds_check() -> None:
+    """Triton's interpreter loads and stores at any address a kernel computes, where the GPU
+    faults or reads another tensor's bytes: refuse an unmasked load or store that falls outside
+    every tensor argument of its launch, so that the CPU tests and fuzzer catch it."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
+    init_args, load, store = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store
+    if getattr(init_args, "_llmkernels", False):
+        return
+    spans = {"starts": np.zeros(0, np.uint64), "ends": np.zeros(0, np.uint64)}  # the running launch's storages
+
+    def init_args_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        storages = {}
+        for arg in (*args_hst, *kwargs_hst.values()):
+            for t in _tensors_in(arg):
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        starts = sorted(storages)
+        spans["starts"] = np.array(starts, np.uint64)
+        spans["ends"] = np.array([start + storages[start] for start in starts], np.uint64)
+        return args_hst, kwargs_hst
+
+    def check(what, ptrs, mask):
+        addresses = np.broadcast_to(np.asarray(ptrs.data, np.uint64), np.shape(mask.data))[np.asarray(mask.data, bool)]
+        if addresses.size == 0:
+            return
+        size = np.uint64(interpreter._get_np_dtype(ptrs.get_element_ty()).itemsize)
+        starts, ends = spans["starts"], spans["ends"]
+        inside = np.zeros(addresses.shape, bool)
+        if starts.size:
+            owner = np.searchsorted(starts, addresses, side="right") - 1
+            inside = (owner >= 0) & (addresses + size <= ends[np.maximum(owner, 0)])
+        if not inside.all():
+            outside = addresses[~inside]
+            raise IndexError(f"{what} of {outside.size} element(s) outside every tensor argument of the launch (the "
+                             f"first at address {int(outside[0]):#x}): on a GPU an illegal memory access or "
+                             "another tensor's bytes")
+
+    def masked_load(self, ptrs, mask, *args, **kwargs):
+        check("a load", ptrs, mask)
+        return load(self, ptrs, mask, *args, **kwargs)
+
+    def masked_store(self, ptrs, value, mask, *args, **kwargs):
+        check("a store", ptrs, mask)
+        return store(self, ptrs, value, mask, *args, **kwargs)
+
+    init_args_hst._llmkernels = True
+    executor._init_args_hst = init_args_hst
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+
 if INTERPRET:
     _interpreter_loop_bounds_compat()
     _interpreter_bf16_rounding()
+    _interpreter_bounds_check()
 
 
 def use_kernels(t: torch.Tensor) -> bool:

@@ -65,7 +65,7 @@ print("ok")
 
 
 def test_interpreter_runs_a_tensor_loop_bound():
-    """Triton < 3.7's interpreter with NumPy >= 2.5 needs ``_interpreter_loop_bounds_compat``."""
+    """Triton < 3.7's interpreter with NumPy >= 2.5 needs ``ops._interpreter_shims.loop_bounds_compat``."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-c", LOOP_BOUND], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr

@@ -1,6 +1,6 @@
 """Helpers shared by the test modules: comparisons, peak memory, bad-input tests, a runner of
 several ranks."""
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -102,9 +102,9 @@ def _rank_main(rank: int, world: int, path: str, fn, args):
 
 
 def benchmark_script(name: str):
-    """The module of ``benchmarks/<name>.py``, loaded from its file (the scripts are no package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of ``benchmarks/<name>.py`` (the scripts are no package), with ``benchmarks/``
+    on the path as when a script runs, so that it imports its siblings."""
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)

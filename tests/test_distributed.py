@@ -4,7 +4,6 @@ benchmark, and a sequence-parallel DTensor RMSNorm, on 2 CPU processes with gloo
 (benchmarks/distributed_train.py --check): same losses, parameters and gradients as one process.
 The benchmark's --compare (scaling efficiency, loss agreement) on made-up results; the
 vocabulary-parallel and FSDP2-scaling benchmarks on CPU (slow)."""
-import importlib.util
 import os
 import re
 import subprocess
@@ -12,6 +11,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.helpers import benchmark_script
 
 pytest.importorskip("transformers")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -41,13 +42,6 @@ def test_ddp_fsdp2_e2e_and_sequence_parallel_norm_match_one_process(trained):
         assert re.search(rf"^ *{check}: max rel diff .* ok$", proc.stdout, re.M), proc.stdout
 
 
-def _e2e_train():
-    spec = importlib.util.spec_from_file_location("e2e_train", os.path.join(ROOT, "benchmarks", "e2e_train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(world, batch, tokens_per_s, losses, device="GPU X"):
     shape = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512, "seq": 16,
              "batch": batch, "warmup": 1, "steps": 2, "dtype": "bf16"}
@@ -57,7 +51,7 @@ def _run(world, batch, tokens_per_s, losses, device="GPU X"):
 
 
 def test_e2e_compare_scaling_efficiency_and_loss_agreement():
-    compare = _e2e_train().compare
+    compare = benchmark_script("e2e_train").compare
     one = _run(1, 8, 1000.0, [5.0, 4.9, 4.8])
     rows = {(r["world_size"], r["batch"], r["device"]): r for r in compare([
         _run(1, 8, 3000.0, [5.0, 4.8, 4.7], device="GPU Y"),   # another device: never the baseline of X
@@ -92,10 +86,7 @@ def test_vocab_parallel_benchmark_runs_every_provider_on_two_cpu_ranks(tmp_path)
 
 
 def test_fsdp2_scaling_plan_runs_one_gpu_first_then_the_largest_k():
-    spec = importlib.util.spec_from_file_location("fsdp2_scaling", os.path.join(ROOT, "benchmarks",
-                                                                                "fsdp2_scaling.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_script("fsdp2_scaling")
     assert module.plan([1, 2, 4], 4, 4) == [(1, [("one", 4)]), (4, [("weak", 16), ("strong", 4)]),
                                             (2, [("weak", 8), ("strong", 4)])]
     assert module.plan([1, 2], 2, 4)[0] == (1, [("one", 2), ("one-strong", 4)])

@@ -2,7 +2,6 @@
 that their first GPU call works: every provider that can run here checked against the float32
 reference, the JSON and markdown written."""
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import torch
 
 import llmkernels
 from llmkernels.ops.moe.configs import INTERPRETER, GemmTiles
+from tests.helpers import benchmark_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,13 +84,6 @@ def test_moe_tiles_tiny(tmp_path):
         assert "grouped" in by_torch["status"], by_torch["status"]
 
 
-def _benchmarks_module(name: str):
-    """benchmarks/<name>.py as a module (with benchmarks/ on the path, as the scripts run)."""
-    if os.path.join(ROOT, "benchmarks") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    return importlib.import_module(name)
-
-
 def _reads_a_scalar(x):
     return (x * 2).sum().item()
 
@@ -100,7 +93,7 @@ def test_wait_sources_name_the_python_line_that_waited():
     CPU's scalar read, which on a GPU is a copy and a wait)."""
     from torch.profiler import ProfilerActivity, profile
 
-    wait_sources = _benchmarks_module("profiling").wait_sources
+    wait_sources = benchmark_script("profiling").wait_sources
     x = torch.randn(64)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(3):
@@ -118,7 +111,7 @@ def test_wait_sources_place_a_runtime_event_without_parent_by_its_time():
     traced Python calls whose time spans it, innermost first."""
     from types import SimpleNamespace
 
-    profiling = _benchmarks_module("profiling")
+    profiling = benchmark_script("profiling")
 
     def event(name, start, end, parent=None, cpu_us=0.0):
         return SimpleNamespace(name=name, stack=[], cpu_parent=parent, self_cpu_time_total=cpu_us,
@@ -138,7 +131,7 @@ def test_wait_sources_place_a_runtime_event_without_parent_by_its_time():
 def test_moe_tiles_records_mismatch_and_compile_error():
     """A candidate whose results differ from the default's is not timed; one that does not
     compile records its error; neither raises."""
-    tiles = _benchmarks_module("moe_tiles")
+    tiles = benchmark_script("moe_tiles")
     import moe_bench
 
     device = torch.device("cpu")
@@ -156,7 +149,7 @@ def test_moe_tiles_records_mismatch_and_compile_error():
 
 
 def test_moe_tiles_best_per_gemm_takes_each_gemms_fastest_tiles():
-    tiles = _benchmarks_module("moe_tiles")
+    tiles = benchmark_script("moe_tiles")
     cpu = torch.device("cpu")
     fast_gate_up = tiles.candidate_config(tiles.BY_NAME["gate_up-128x128x64-w8-s3"], INTERPRETER, cpu)
     fast_weight_grad = tiles.candidate_config(tiles.BY_NAME["weight_grad-128x128x64-w8-s3"], INTERPRETER, cpu)

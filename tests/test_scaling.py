@@ -232,6 +232,34 @@ def test_data_dedup_split_formats_and_baselines(tmp_path):
         data_mod.list_sources(data_mod.DataConfig(path=str(tmp_path / "missing")))
 
 
+def test_corpus_record_names_the_folders_two_machines_differ_by(tmp_path):
+    """meta.json counts the files and bytes under each first folder, so that a corpus that changed
+    (a package installed on one machine and not the other) is named, not only counted."""
+    rng = np.random.default_rng(1)
+    src = tmp_path / "src"
+    for pkg in ("alpha", "beta"):
+        (src / pkg / "sub").mkdir(parents=True)
+        for i in range(4):
+            (src / pkg / "sub" / f"m{i}.py").write_text(" ".join(rng.choice(["a", "b", "c", "\n"], 200 + i)))
+    (src / "top.md").write_text("a readme " * 30)
+    log = lambda *_: None  # noqa: E731
+    before = data_mod.prepare(data_mod.DataConfig(path=str(src)), tmp_path / "cache", log=log).meta
+    assert before["folders"] == {"*": [1, 270], "alpha/sub": [4, before["folders"]["alpha/sub"][1]],
+                                 "beta/sub": [4, before["folders"]["beta/sub"][1]]}
+    assert sum(n for _, n in before["folders"].values()) == before["train_bytes"] + before["val_bytes"]
+    (src / "gamma" / "x").mkdir(parents=True)
+    (src / "gamma" / "x" / "new.py").write_text("print(1)\n" * 9)
+    (src / "alpha" / "sub" / "m0.py").unlink()
+    after = data_mod.prepare(data_mod.DataConfig(path=str(src)), tmp_path / "cache", log=log).meta
+    assert after["fingerprint"] != before["fingerprint"]
+    said = data_mod.difference(before, after)
+    assert "gamma/x only here (1 files)" in said and "alpha/sub differs (4 files" in said and "beta" not in said
+    # a record without folders (an older meta.json): the counts
+    legacy = {k: v for k, v in before.items() if k != "folders"}
+    assert data_mod.difference(legacy, after).endswith(f"({after['documents'] - before['documents']:+,} documents, "
+                                                     f"{data_mod._bytes(after) - data_mod._bytes(before):+,} bytes)")
+
+
 def test_default_corpus_is_the_python_installation():
     names = [n for n, _ in data_mod.list_sources(data_mod.DataConfig())]
     labels = {n.split("/", 1)[0] for n in names}
@@ -323,12 +351,32 @@ def test_pipeline_smoke_resume_and_report(tmp_path, capsys):
     assert len(json.loads((from_report / "report.json").read_text())["runs"]) == len(runs)
     for name in ("centres.json", "lr_rule.json"):
         assert json.loads((from_report / name).read_text()) == json.loads((tmp_path / name).read_text()), name
+    # the report restored where the corpus differs (here a smaller --max-bytes) stops before any training
+    other = tmp_path.parent / f"{tmp_path.name}-other-data"
+    with pytest.raises(SystemExit, match=rf"{len(runs)} finished run\(s\) .* trained on data {rep['data']['fingerprint']}, "
+                                         r"but this machine's is \w+: .* documents"):
+        sweep.main(["--out", str(other), *TINY, *TINY_LR, "--backend", "reference", "--max-bytes", "150000",
+                    "--restore", str(tmp_path / "report.json")])
+    assert not list((other / "checkpoints").glob("*")) and len(list((other / "runs").glob("*.json"))) == len(runs)
     (tmp_path.parent / "not-a-report.json").write_text('{"runs": []}')
     with pytest.raises(ValueError, match="not a report.json"):
         sweep.main(["--out", str(from_report), *TINY, "--restore", str(tmp_path.parent / "not-a-report.json")])
     next((tmp_path / "runs").glob("sweep-C6e09-*.json")).unlink()
     assert sweep.main([*args, "--bootstrap", "0", "--fit-only"]) == runner.EXIT_INCOMPLETE
     assert len(json.loads((tmp_path / "report.json").read_text())["runs"]) == len(runs) - 1
+
+
+def test_rule_and_windows_are_refitted_when_their_runs_data_changes(tmp_path):
+    """A record fitted from runs of one corpus is not reused for runs of the same names on another;
+    a record restored from a report (which names no data) is its runs' own."""
+    session = runner.Session(sweep.build_parser().parse_args(["--out", str(tmp_path), "--device", "cpu"]), [])
+    session.fingerprint = "corpus-a"
+    assert session.fitted_once("x.json", ["r1"], lambda: {"v": 1})["v"] == 1
+    assert session.fitted_once("x.json", ["r1"], lambda: {"v": 2})["v"] == 1
+    session.fingerprint = "corpus-b"
+    assert session.fitted_once("x.json", ["r1"], lambda: {"v": 3}) == {"v": 3, "runs": ["r1"], "data": "corpus-b"}
+    store.write_json(tmp_path / "y.json", {"v": 4, "runs": ["r1"]})
+    assert session.fitted_once("y.json", ["r1"], lambda: {"v": 5})["v"] == 4
 
 
 def test_missing_extras_stop_before_any_data(tmp_path, monkeypatch, capsys):

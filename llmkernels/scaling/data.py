@@ -193,6 +193,42 @@ def fingerprint(cfg: DataConfig, files: list[tuple[str, Path]]) -> str:
     return h.hexdigest()[:16]
 
 
+def folders(files: list[tuple[str, Path]]) -> dict[str, list[int]]:
+    """``{folder: [files, bytes]}`` of the candidate files, by the first folder under each root
+    (``site-packages/torch``; a root's own files as ``stdlib/*``): what tells two machines'
+    corpora apart when their fingerprints differ."""
+    out: dict[str, list[int]] = {}
+    for name, path in files:
+        parts = name.split("/")
+        head = "/".join(parts[:2]) if len(parts) > 2 else f"{parts[0]}/*" if len(parts) == 2 else "*"
+        entry = out.setdefault(head, [0, 0])
+        entry[0] += 1
+        entry[1] += path.stat().st_size
+    return dict(sorted(out.items()))
+
+
+def difference(saved: dict, here: dict) -> str:
+    """How the corpus of ``saved`` (a ``meta.json``) differs from ``here``'s, in a phrase: the folders
+    one has and the other lacks or holds otherwise where both records list them, else the counts."""
+    if saved.get("folders") is not None and here.get("folders") is not None:
+        a, b = saved["folders"], here["folders"]
+        changes = [f"{k} only there ({a[k][0]:,} files)" for k in a if k not in b]
+        changes += [f"{k} only here ({b[k][0]:,} files)" for k in b if k not in a]
+        changes += [f"{k} differs ({a[k][0]:,} files, {a[k][1]:,} bytes there; {b[k][0]:,}, {b[k][1]:,} here)"
+                    for k in a if k in b and a[k] != b[k]]
+        if changes:
+            return "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
+    docs = here.get("documents", 0) - saved.get("documents", 0)
+    size = _bytes(here) - _bytes(saved)
+    return (f"{saved.get('documents', 0):,} documents, {_bytes(saved):,} bytes, Python {saved.get('python')} there; "
+            f"{here.get('documents', 0):,}, {_bytes(here):,}, Python {here.get('python')} here "
+            f"({docs:+,} documents, {size:+,} bytes)")
+
+
+def _bytes(meta: dict) -> int:
+    return meta.get("train_bytes", 0) + meta.get("val_bytes", 0)
+
+
 def estimate_bytes(cfg: DataConfig) -> tuple[int, int]:
     """(files, bytes) of the candidate files before deduplication: what ``--list`` can say without
     reading them."""
@@ -264,7 +300,7 @@ def prepare(cfg: DataConfig, cache_dir, log=print) -> Corpus:
         train_bytes, val_bytes = sum(len(r) for _, r in train), sum(len(r) for _, r in val)
         meta = {
             "fingerprint": fp, "config": asdict(cfg), "python": sys.version.split()[0],
-            "source": cfg.path or {k: str(v) for k, v in python_roots().items()},
+            "source": cfg.path or {k: str(v) for k, v in python_roots().items()}, "folders": folders(files),
             **stats, "train_documents": len(train), "val_documents": len(val),
             "train_bytes": train_bytes, "val_bytes": val_bytes,
             "train_tokens": int(train_ids.size), "val_tokens": int(val_ids.size),

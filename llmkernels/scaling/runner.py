@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -182,10 +183,11 @@ class Session:
     # ----------------------------------------------------------------------------------------
     def fitted_once(self, name: str, ids: list[str], make) -> dict:
         """``name`` (a JSON in the output folder) made from ``make()`` unless it was already made
-        from the same runs (so a resumed sweep keeps what its runs were planned with)."""
+        from the same runs on the same data (so a resumed sweep keeps what its runs were planned with;
+        a record restored from a report names no data: its runs' own)."""
         saved = read_json(self.out / name)
-        if not (saved and saved.get("runs") == ids):
-            write_json(self.out / name, {**make(), "runs": ids})
+        if not (saved and saved.get("runs") == ids and saved.get("data", self.fingerprint) == self.fingerprint):
+            write_json(self.out / name, {**make(), "runs": ids, "data": self.fingerprint})
         return read_json(self.out / name)
 
     def lr_stage(self, design, models) -> tuple[LRRule | None, dict, list[dict], list[str]]:
@@ -268,6 +270,8 @@ class Session:
             except (OSError, ValueError, ImportError) as exc:
                 raise SystemExit(f"llmkernels scaling: data preparation failed: {type(exc).__name__}: {exc}") from None
         self.fingerprint = self.meta["fingerprint"]
+        if not a.fit_only:
+            self.check_data()
         design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
         models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm)
@@ -289,6 +293,25 @@ class Session:
             self.write_report(results, lr_fit)
         self.log(f"total wall-clock {_fmt_seconds(time.time() - self.t_start)}")
         return EXIT_INCOMPLETE if missing else 0
+
+    def check_data(self):
+        """Stop before training when every finished run in the output folder was trained on another
+        corpus (another machine's Python installation, another --data): the sweep would otherwise start
+        over under the same name without a word."""
+        prints = Counter(run["key"]["data"] for run in map(read_json, self.runs_dir.glob("*.json"))
+                         if run and "key" in run)
+        other = sum(n for fp, n in prints.items() if fp != self.fingerprint)
+        if not other:
+            return
+        if self.fingerprint in prints:
+            self.log(f"{other} finished run(s) of other data ignored")
+            return
+        saved_fp, runs = prints.most_common(1)[0]
+        saved = read_json(self.out / "data" / saved_fp / "meta.json") or {}
+        raise SystemExit(f"llmkernels scaling: the {runs} finished run(s) in {self.out} were trained on data {saved_fp}, "
+                         f"but this machine's is {self.fingerprint}: {data_mod.difference(saved, self.meta)}. "
+                         "Make the corpus the same (the same packages and Python, or the same --data) to resume, "
+                         "or give a new --out to start another sweep.")
 
     def incomplete(self, missing: list[str]):
         failed = [m for m in missing if (self.runs_dir / f"{m}.failed.json").exists()]

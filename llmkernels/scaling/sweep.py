@@ -17,9 +17,10 @@ from its checkpoint):
 Output folder: data/<fingerprint>/ (tokens), runs/<run>.json (one per finished run), checkpoints/,
 lr_rule.json, centres.json, report.md, report.json, *.png.
 
-Exit status: 0 every run finished and the report is written; 1 a failure (data, device); 2 a usage
-error or a missing `scaling` extra (checked before any data or training); 3 runs not finished (a
-time limit, a failed run): the report covers those that are, and the same command resumes.
+Exit status: 0 every run finished and the report is written; 1 a failure (data, device, or an
+output folder whose runs were all trained on another corpus than this machine's); 2 a usage error
+or a missing `scaling` extra (checked before any data or training); 3 runs not finished (a time
+limit, a failed run): the report covers those that are, and the same command resumes.
 
 Several GPUs: one training process per GPU (--workers, default every visible GPU; on a CPU one
 process, or --workers N) takes the next run of a stage as it comes free; a stage ends when its last

@@ -596,6 +596,57 @@ def test_terminated_call_keeps_its_runs_and_a_fresh_machine_resumes(tmp_path):
     assert sum(r["process"] == os.getpid() for r in runs.values()) == MINI_RUNS - len(kept)  # trained here
 
 
+def test_horizon_and_the_runs_measured_before_decide_what_starts(tmp_path, capsys):
+    """The runs an earlier call measured on this device predict a missing run's seconds: with no time
+    to its horizon it does not start (exit 3); with a horizon past it, it does."""
+    out = tmp_path / "out"
+    assert sweep.main(["--out", str(out), *MINI]) == 0
+    missing = next(out.glob("runs/sweep-*.json"))
+    missing.unlink()
+    capsys.readouterr()
+    assert sweep.main(["--out", str(out), *MINI, "--time-limit", "600", "--horizon", "0"]) == runner.EXIT_INCOMPLETE
+    assert not missing.exists() and "1 run(s) of this stage not finished" in capsys.readouterr().out
+    assert sweep.main(["--out", str(out), *MINI, "--time-limit", "0", "--horizon", "600"]) == runner.EXIT_INCOMPLETE
+    assert not missing.exists() and (out / "checkpoints" / missing.name.replace(".json", ".pt")).exists()
+    assert sweep.main(["--out", str(out), *MINI, "--horizon", "600"]) == 0
+    assert json.loads(missing.read_text())["resumed_from_step"] > 0
+    with pytest.raises(SystemExit, match="--horizon must be >= 0 seconds"):
+        sweep.main(["--out", str(out), *MINI, "--horizon", "-1"])
+
+
+def test_estimate_covers_the_steps_left():
+    """A resumed run's seconds measured the steps it had left; a checkpoint's step shortens a prediction."""
+    run = next(r for r in _mini_plan() if r.stage == "sweep")
+    est = runner.Estimator(cuda=False)
+    assert est.seconds(run) is None
+    full = plan.H100.run_seconds(run)
+    half = run.steps // 2
+    est.add(run, {"wall_seconds": 3.0 * plan.H100.run_seconds(run, run.steps - half), "resumed_from_step": half})
+    assert est.seconds(run) == pytest.approx(3.0 * full)
+    assert est.seconds(run, done=run.steps // 4) == pytest.approx(3.0 * plan.H100.run_seconds(run, run.steps - run.steps // 4))
+    est.add(run, {"wall_seconds": 0.0, "resumed_from_step": 0})  # a diverged record: nothing measured
+    assert len(est.ratios) == 1
+
+
+def test_checkpointed_step_reads_only_its_own_runs_checkpoint(tmp_path):
+    session = runner.Session(sweep.build_parser().parse_args(["--out", str(tmp_path), "--device", "cpu"]), [])
+    session.ckpt_dir.mkdir(parents=True)
+    run = next(r for r in _mini_plan() if r.stage == "sweep")
+    assert session.checkpointed_step(run, {"k": 1}) == 0
+    torch.save({"key": {"k": 1}, "step": 17, "state": {"w": torch.randn(3)}}, session.ckpt_dir / f"{run.id}.pt")
+    assert session.checkpointed_step(run, {"k": 1}) == 17
+    assert session.checkpointed_step(run, {"k": 2}) == 0
+    (session.ckpt_dir / f"{run.id}.pt").write_bytes(b"torn")
+    assert session.checkpointed_step(run, {"k": 1}) == 0
+
+
+def _mini_plan():
+    args = sweep.build_parser().parse_args(MINI)
+    design, hp, ladder = design_mod.design_from(args)
+    models = plan.ladder_models(plan.BYTE_VOCAB, args.seq_len, args.head_dim, ladder)
+    return design.lower(models, plan.LRRule(c=args.lr, source="--lr"), hp)
+
+
 def _archived(archive) -> set:
     try:
         with tarfile.open(archive) as tar:

@@ -198,8 +198,9 @@ class StepCost:
         flops = model.flops_per_token() * batch * model.seq_len
         return self.fixed + self.per_layer * model.n_layers + flops / (self.rate * (model.width / 512) ** self.width_exp)
 
-    def run_seconds(self, run: "Run") -> float:
-        return self.run_overhead + run.steps * self.step_seconds(run.model, run.batch_size)
+    def run_seconds(self, run: "Run", steps: int | None = None) -> float:
+        """A run's seconds, or those of its last ``steps`` steps (a run resumed from a checkpoint)."""
+        return self.run_overhead + (run.steps if steps is None else steps) * self.step_seconds(run.model, run.batch_size)
 
 
 H100 = StepCost()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import pickle
 import platform
 import signal
 import statistics
@@ -30,8 +31,9 @@ EXIT_INCOMPLETE = 3
 
 
 class Estimator:
-    """Predicted seconds of a run: ``plan.StepCost`` (an H100's) scaled by the median ratio of
-    measured to predicted seconds of the runs finished in this invocation. None: no guess (CPU
+    """Predicted seconds of a run's steps left: ``plan.StepCost`` (an H100's) scaled by the median
+    ratio of measured to predicted seconds of the runs finished on this device (in this invocation,
+    or restored: they trained as this sweep trains, so many at once included). None: no guess (CPU
     before its first run)."""
 
     def __init__(self, cuda: bool):
@@ -39,12 +41,15 @@ class Estimator:
         self.cuda = cuda
 
     def add(self, run, result: dict):
-        self.ratios.append(result["wall_seconds"] / H100.run_seconds(run))
+        """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on."""
+        left = run.steps - (result.get("resumed_from_step") or 0)
+        if result.get("wall_seconds") and left > 0:
+            self.ratios.append(result["wall_seconds"] / H100.run_seconds(run, left))
 
-    def seconds(self, run) -> float | None:
+    def seconds(self, run, done: int = 0) -> float | None:
         if not self.ratios and not self.cuda:
             return None
-        return H100.run_seconds(run) * (statistics.median(self.ratios) if self.ratios else 1.0)
+        return H100.run_seconds(run, run.steps - done) * (statistics.median(self.ratios) if self.ratios else 1.0)
 
 
 def _fmt_seconds(s: float) -> str:
@@ -79,7 +84,9 @@ class Session:
         self.out = Path(args.out)
         self.runs_dir, self.ckpt_dir = self.out / "runs", self.out / "checkpoints"
         self.deadline = None if args.time_limit is None else time.time() + args.time_limit
-        self.estimator = Estimator(self.cuda)
+        self.start_by = self.deadline if args.horizon is None else time.time() + args.horizon
+        self.device_name = torch.cuda.get_device_name(self.devices[0]) if self.cuda else "cpu"
+        self.estimator, self.timed = Estimator(self.cuda), set()
         self.t_start = time.time()
         self.trainer = None
 
@@ -138,18 +145,35 @@ class Session:
         key = self.key(run, tcfg)
         return Task(run=run, train=tcfg, key=key, tags=self.tags(run, key), data_dir=str(self.out / "data" / self.fingerprint),
                     runs_dir=str(self.runs_dir),
-                    ckpt_path=str(self.ckpt_dir / f"{run.id}.pt"), deadline=self.deadline,
-                    predicted=self.estimator.seconds(run))
+                    ckpt_path=str(self.ckpt_dir / f"{run.id}.pt"), deadline=self.deadline, start_by=self.start_by,
+                    predicted=self.estimator.seconds(run, self.checkpointed_step(run, key)))
+
+    def checkpointed_step(self, run, key) -> int:
+        """The step ``run``'s checkpoint holds (0 without one of this key): where it resumes."""
+        path = self.ckpt_dir / f"{run.id}.pt"
+        if not path.exists():
+            return 0
+        try:  # (mapped, not read: only its small fields are looked at)
+            ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            return 0
+        return ckpt["step"] if ckpt.get("key") == key else 0
 
     def execute(self, runs, title: str) -> tuple[list[dict], list[str]]:
         """Train the runs not finished yet (``run_order``), packing the archive after each that
         finishes. Returns every finished result of ``runs`` and the ids still missing."""
         todo = [] if self.args.fit_only else [r for r in run_order(runs) if not self.finished(r)]
+        for run in runs:  # what earlier invocations measured on this device predicts this one's runs
+            prev = self.finished(run)
+            if prev and run.id not in self.timed and prev.get("device") == self.device_name:
+                self.timed.add(run.id)
+                self.estimator.add(run, prev)
         done = 0
         for out in self.trainer.run(todo, self.task) if todo else ():
             status, run = out["status"], out["run"]
             if status == "done":
                 done += 1
+                self.timed.add(run.id)
                 self.estimator.add(run, out["result"])
                 self.log_result(title, done, len(todo), run, out["result"])
             elif status == "timeup":

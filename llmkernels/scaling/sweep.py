@@ -29,7 +29,9 @@ once in each process (threads, each on its own CUDA stream), so that small model
 overlap (a modest gain: measure it on the machine); each run's result is still its own alone.
 --archive packs the output's small files after every finished run, so that a call killed at its
 time limit loses only the runs in flight; --restore in the next call (a fresh machine) resumes
-from there.
+from there. Checkpoints stay on the machine: calls chained on one machine pass their runs in flight
+on with a --horizon past each call's --time-limit, and the last call on it keeps its horizon at its
+limit, starting only runs that the runs measured so far on that device say will finish.
 
 A replicate: the same command with another --seed (initialisation and data order of every run),
 then --compare A B sets the two sweeps' exponents side by side.
@@ -74,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop after about this long: no run is started that is predicted to end later, a run "
                         "still going at the limit is checkpointed; rerun the same command to go on (exit status 3)")
+    g.add_argument("--horizon", type=float, default=None, metavar="SECONDS",
+                   help="start no run predicted to end later than this (default: the time limit). On a machine "
+                        "kept between calls, a horizon past the call's limit lets runs longer than a call start, "
+                        "checkpoint at the limit and finish in the next call; a session's last call leaves it at "
+                        "its limit, so that no run is left half-trained when the machine goes")
     g.add_argument("--ckpt-interval", type=float, default=300.0, metavar="SECONDS",
                    help="seconds between checkpoints of a running run (default: %(default)s)")
     g.add_argument("--bootstrap", type=int, default=1000, metavar="N",
@@ -219,6 +226,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.fit_from is not None and not args.fit_from > 0:
         raise SystemExit(f"--fit-from must be a budget > 0 FLOPs, got {args.fit_from}")
+    for name in ("time_limit", "horizon"):
+        if getattr(args, name) is not None and not getattr(args, name) >= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
     if args.compare:
         return compare_mod.main(args.compare, args.out)
     args.out = args.out or DEFAULT_OUT

@@ -52,8 +52,8 @@ class Setup:
 @dataclass(frozen=True)
 class Task:
     """One run to train: its plan record, training configuration, result key and the tags its
-    record carries, the tokens' folder (``data/<fingerprint>/``); ``deadline`` (``time.time()``) and
-    ``predicted`` seconds decide whether it starts."""
+    record carries, the tokens' folder (``data/<fingerprint>/``); ``start_by`` (``time.time()``) and
+    ``predicted`` seconds (of the steps left) decide whether it starts, ``deadline`` when it stops."""
 
     run: Run
     train: TrainConfig
@@ -63,6 +63,7 @@ class Task:
     runs_dir: str
     ckpt_path: str
     deadline: float | None = None
+    start_by: float | None = None
     predicted: float | None = None
 
 
@@ -103,10 +104,10 @@ def diverged_record(run: Run, tcfg: TrainConfig, exc, device, train_tokens: int)
 
 
 def run_task(state: dict, task: Task, position: int = 0, log=print) -> dict:
-    """Train ``task``'s run unless its predicted end is past its deadline; the outcome's ``status``:
+    """Train ``task``'s run unless its predicted end is past its ``start_by``; the outcome's ``status``:
     done (with ``result``), diverged, failed (``error``), timeup (checkpointed) or skipped."""
     run, setup, out = task.run, state["setup"], {"id": task.run.id, "run": task.run}
-    if task.deadline is not None and task.predicted is not None and time.time() + task.predicted > task.deadline:
+    if task.start_by is not None and task.predicted is not None and time.time() + task.predicted > task.start_by:
         return {**out, "status": "skipped"}
     with state["data_lock"]:  # (the runs trained at once in a process load the tokens once)
         state = with_data(state, task.data_dir)

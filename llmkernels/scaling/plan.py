@@ -13,6 +13,7 @@ of the context (Kaplan et al. 2020 count it so). Norm weights are in ``N_total``
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 
 HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a multiple of it
@@ -204,6 +205,28 @@ class StepCost:
 
 
 H100 = StepCost()
+
+
+class Estimator:
+    """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by the median
+    ratio of measured to predicted seconds of the runs finished on this device (in this invocation,
+    or restored: they trained as this sweep trains, so many at once included). None: no guess (CPU
+    before its first run)."""
+
+    def __init__(self, cuda: bool):
+        self.ratios: list[float] = []
+        self.cuda = cuda
+
+    def add(self, run, result: dict):
+        """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on."""
+        left = run.steps - (result.get("resumed_from_step") or 0)
+        if result.get("wall_seconds") and left > 0:
+            self.ratios.append(result["wall_seconds"] / H100.run_seconds(run, left))
+
+    def seconds(self, run, done: int = 0) -> float | None:
+        if not self.ratios and not self.cuda:
+            return None
+        return H100.run_seconds(run, run.steps - done) * (statistics.median(self.ratios) if self.ratios else 1.0)
 
 
 # --------------------------------------------------------------------------------------------

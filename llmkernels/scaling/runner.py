@@ -9,7 +9,6 @@ import math
 import pickle
 import platform
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -22,34 +21,12 @@ import torch
 from . import data as data_mod
 from . import fit, report, surface
 from .design import centre_plan, design_from, run_order
-from .plan import H100, LRRule, ladder_models
-from .store import pack, read_centres, read_json, read_rule, read_spans, unpack, unpack_report, write_json
+from .plan import Estimator, LRRule, ladder_models
+from .store import pack, read_centres, read_json, read_rule, read_spans, restore, write_json
 from .train import TrainConfig, set_deterministic
 from .workers import Local, Pool, Setup, Task
 
 EXIT_INCOMPLETE = 3
-
-
-class Estimator:
-    """Predicted seconds of a run's steps left: ``plan.StepCost`` (an H100's) scaled by the median
-    ratio of measured to predicted seconds of the runs finished on this device (in this invocation,
-    or restored: they trained as this sweep trains, so many at once included). None: no guess (CPU
-    before its first run)."""
-
-    def __init__(self, cuda: bool):
-        self.ratios: list[float] = []
-        self.cuda = cuda
-
-    def add(self, run, result: dict):
-        """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on."""
-        left = run.steps - (result.get("resumed_from_step") or 0)
-        if result.get("wall_seconds") and left > 0:
-            self.ratios.append(result["wall_seconds"] / H100.run_seconds(run, left))
-
-    def seconds(self, run, done: int = 0) -> float | None:
-        if not self.ratios and not self.cuda:
-            return None
-        return H100.run_seconds(run, run.steps - done) * (statistics.median(self.ratios) if self.ratios else 1.0)
 
 
 def _fmt_seconds(s: float) -> str:
@@ -258,13 +235,7 @@ class Session:
         finished run and last (also when cut short, failed or terminated: what finished is kept)."""
         a = self.args
         if a.restore:
-            source = Path(a.restore)
-            if not source.is_file():
-                self.log(f"--restore: no archive at {a.restore}: starting from what {self.out} holds")
-            elif source.suffix == ".json":
-                self.log(f"restored {unpack_report(source, self.out)} runs from {a.restore} into {self.out}")
-            else:
-                self.log(f"restored {unpack(source, self.out)} files from {a.restore} into {self.out}")
+            self.log(restore(a.restore, self.out))
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         aborted = True

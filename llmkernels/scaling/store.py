@@ -108,3 +108,14 @@ def unpack_report(report: Path, out: Path) -> int:
     if saved.get("centres"):
         write_json(out / "centres.json", saved["centres"])
     return len(saved["runs"])
+
+
+def restore(source: str, out: Path) -> str:
+    """``--restore``: ``source`` (an archive of ``pack`` or a sweep's report.json) into ``out``; the
+    line that says what came back."""
+    path = Path(source)
+    if not path.is_file():
+        return f"--restore: no archive at {source}: starting from what {out} holds"
+    if path.suffix == ".json":
+        return f"restored {unpack_report(path, out)} runs from {source} into {out}"
+    return f"restored {unpack(path, out)} files from {source} into {out}"

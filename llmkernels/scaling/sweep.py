@@ -41,13 +41,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import statistics
+from collections import Counter
 from pathlib import Path
 
 from . import compare as compare_mod
 from . import data as data_mod
 from .design import SEED_CHECK_OFFSET, Design, design_from, estimate
-from .plan import BYTE_VOCAB, SEQ_LEN, HParams, LRRule, ladder_models
-from .store import read_centres, read_rule, read_spans
+from .plan import BYTE_VOCAB, SEQ_LEN, Estimator, HParams, LRRule, ladder_models
+from .store import read_centres, read_json, read_rule, read_spans, restore
 
 EXIT_USAGE = 2
 DEFAULT_OUT = "scaling-runs"
@@ -219,7 +221,29 @@ def print_plan(args, out=print) -> int:
         f"{design.n_budgets} budgets, {sum(r.stage != 'sweep' for r in runs)} check runs: {total:.3g} FLOPs, about "
         f"{estimate(stages) / 60:.1f} min on one H100, {estimate(stages, workers=gpus) / 60:.1f} min on {gpus} "
         f"(design.estimate)")
+    print_left(lr_runs + runs, Path(args.out), args.runs_per_device, out)
     return 0
+
+
+def print_left(runs, folder: Path, runs_per_device: int, out=print):
+    """What of ``runs`` the output folder has not finished, and its time: on one H100 one at a time
+    (``design.estimate``), and scaled as the finished runs measured on their device ran (``Estimator``)."""
+    done = {r.id: rec for r in runs if (rec := read_json(folder / "runs" / f"{r.id}.json")) and rec.get("val_loss") is not None}
+    if not done:
+        return
+    left = [r for r in runs if r.id not in done]
+    line = (f"finished in {folder}: {len(done)} of {len(runs)} runs; left: {len(left)} runs, "
+            f"{sum(r.compute for r in left):.3g} FLOPs, about {estimate([left], pieces=0) / 60:.1f} min on one H100")
+    device = Counter(rec.get("device") for rec in done.values()).most_common(1)[0][0]
+    est = Estimator(cuda=True)
+    for r in runs:
+        if r.id in done and done[r.id].get("device") == device:
+            est.add(r, done[r.id])
+    if est.ratios and left:
+        line += (f"; the {len(est.ratios)} finished on {device} took {statistics.median(est.ratios):.2f}x that estimate "
+                 f"(median), so about {sum(est.seconds(r) for r in left) / runs_per_device / 60:.1f} min of one {device} "
+                 f"with --runs-per-device {runs_per_device} (the ratio holds for the concurrency they ran at)")
+    out(line)
 
 
 def main(argv=None) -> int:
@@ -233,6 +257,8 @@ def main(argv=None) -> int:
         return compare_mod.main(args.compare, args.out)
     args.out = args.out or DEFAULT_OUT
     if args.list:
+        if args.restore:
+            print(restore(args.restore, Path(args.out)))
         return print_plan(args)
     missing = missing_extras(args)
     if missing:

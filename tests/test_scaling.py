@@ -4,7 +4,6 @@ one process and over several training processes, cut short and resumed from its 
 published CPU recipe at a smaller size (CPU; the kernels through the interpreter). The fits, the
 gate and the report: test_scaling_fits.py."""
 import email
-import importlib.util
 import json
 import math
 import os
@@ -27,6 +26,7 @@ from llmkernels.scaling import train as train_mod
 from llmkernels.scaling.model import GPT, ops_run
 from llmkernels.scaling.plan import ModelConfig
 from llmkernels.scaling.train import TimeUp, TrainConfig, eval_windows, lr_at, train_run
+from tests.helpers import benchmark_script
 
 # A tiny design: the standard library's email package (~0.4 MB of documents), 32-token sequences,
 # widths 16-48 in heads of 16, four budgets (two lower, two upper), batch 4 then 8; on the CPU, so
@@ -732,9 +732,7 @@ def test_cpu_recipe_runs_at_a_smaller_size(tmp_path):
 
 def test_step_profile_sorts_kernels_into_families():
     """benchmarks/scaling_check.py --profile sums a step's kernels by family, by their names."""
-    spec = importlib.util.spec_from_file_location("scaling_check", os.path.join(ROOT, "benchmarks", "scaling_check.py"))
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = benchmark_script("scaling_check")
     names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
              "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul", "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
              "norm_fwd_kernel": "norm", "norm_bwd_split_kernel": "norm", "_rope_kernel": "rope", "_glu_bwd_kernel": "glu",

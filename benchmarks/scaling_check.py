@@ -7,6 +7,11 @@ parameters, head and attention included: ``plan.ModelConfig.flops_per_token``) a
 bf16 dense peak. Then, from one initialisation, one bf16 step's loss and gradients on both backends
 (relative differences). Prints a table; writes ``$OUT/scaling_check.json`` when OUT is set.
 
+``--at-once 1,3,6``: the sweep's own regime instead (``--runs-per-device``): K runs of a shape, each
+its own model, graph and CUDA stream, their steps replayed side by side; the tokens/s of all K
+together (wall time over the replays, the GPU synchronised at both ends) and per run, so that the
+gain of running several at once is measured per shape rather than assumed.
+
 ``--profile``: where a step's GPU time goes instead, for each shape and batch: the kernels of a few
 eager steps of the kernels backend (the same kernels the graph replays) under ``torch.profiler``,
 summed by family (matrix products, attention, norms, RoPE, SwiGLU, head + loss, optimizer and
@@ -15,6 +20,7 @@ clip, casts and copies, the rest) and the ten costliest kernels; ``$OUT/scaling_
     python benchmarks/scaling_check.py                          # the default shapes and batches
     python benchmarks/scaling_check.py --shapes 8x512 --batches 256 --vocab 8192 --seq-len 256
     python benchmarks/scaling_check.py --profile --shapes 4x256,6x384 --batches 64,256
+    python benchmarks/scaling_check.py --at-once 1,3,6 --shapes 7x128,5x192,10x384 --batches 64
 """
 import argparse
 import json
@@ -53,6 +59,55 @@ def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: 
             "non_embedding_params": cfg.non_embedding_params(), "batch": batch, "backend": backend,
             "captured": stepper.graph is not None, "ms_per_step": ms, "tokens_per_s": tok_s, "tflops": flops / 1e12,
             "mfu": None if peak is None else flops / peak, "setup_s": setup, "loss": loss}
+
+
+def time_at_once(cfg: ModelConfig, batch: int, runs: int, steps: int, tokens: torch.Tensor) -> dict:
+    """``runs`` captured runs of ``cfg`` on a stream each, their steps replayed side by side."""
+    amp, dev = autocast_for(torch.device("cuda"), torch.bfloat16), torch.device("cuda")
+    streams, steppers = [torch.cuda.Stream() for _ in range(runs)], []
+    for i, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            torch.manual_seed(i)
+            model = GPT(cfg, "kernels", compute_dtype=torch.bfloat16).cuda()
+            steppers.append(Stepper(model, TrainConfig(steps=steps + 1, batch_size=batch, lr=1e-3, warmup_steps=1,
+                                                       seed=i), tokens, device=dev, amp=amp, capture=True,
+                                    beside_others=runs > 1))
+            steppers[-1].advance(1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for stream, stepper in zip(streams, steppers):
+            with torch.cuda.stream(stream):
+                stepper.advance(1)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tok_s = runs * steps * batch * cfg.seq_len / seconds
+    peak = peak_flops(torch.cuda.get_device_name())
+    return {"shape": cfg.name, "params": cfg.total_params(), "batch": batch, "at_once": runs,
+            "ms_per_step_each": seconds / steps * 1e3, "tokens_per_s": tok_s, "tokens_per_s_each": tok_s / runs,
+            "mfu": None if peak is None else tok_s * cfg.flops_per_token() / peak}
+
+
+def at_once_main(args, name: str, tokens: torch.Tensor):
+    rows = []
+    for layers, width in parse_ladder(args.shapes):
+        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for runs in (int(k) for k in args.at_once.split(",")):
+                rows.append(time_at_once(cfg, batch, runs, args.steps, tokens))
+                print(rows[-1], flush=True)
+    print(f"\n{'shape':<9}{'N total':>12}{'batch':>6}{'at once':>8}{'ms/step each':>13}{'tok/s all':>13}"
+          f"{'tok/s each':>12}{'MFU all':>8}{'vs one':>7}")
+    alone = {(r["shape"], r["batch"]): r["tokens_per_s"] for r in rows if r["at_once"] == 1}
+    for r in rows:
+        gain = r["tokens_per_s"] / alone[(r["shape"], r["batch"])] if (r["shape"], r["batch"]) in alone else None
+        print(f"{r['shape']:<9}{r['params']:>12,}{r['batch']:>6}{r['at_once']:>8}{r['ms_per_step_each']:>13.2f}"
+              f"{r['tokens_per_s']:>13,.0f}{r['tokens_per_s_each']:>12,.0f}{(r['mfu'] or 0):>8.1%}"
+              + (f"{gain:>6.2f}x" if gain else ""))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "scaling_at_once.json"), "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
+                       "deterministic": not args.nondeterministic, "rows": rows}, f, indent=1)
 
 
 # Kernel families by name (first match): cuBLAS / CUTLASS products, FlashAttention, llmkernels' Triton
@@ -120,6 +175,8 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="timed steps (default: %(default)s)")
     p.add_argument("--eager", default="4x256,8x512", help="shapes also timed without the CUDA graph (kernels backend)")
     p.add_argument("--profile", action="store_true", help="the GPU time of a step by kernel family instead (see above)")
+    p.add_argument("--at-once", metavar="K,...", default=None,
+                   help="tokens/s of K runs of each shape side by side instead, each K listed (see above)")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="the sweep's model, with QK-norm (default: on, as the sweep)")
     p.add_argument("--nondeterministic", action="store_true",
@@ -131,6 +188,8 @@ def main():
     tokens = torch.randint(0, min(args.vocab, 256), (1 << 24,), device="cuda", dtype=torch.int16)
     if args.profile:
         return profile_main(args, name, tokens)
+    if args.at_once:
+        return at_once_main(args, name, tokens)
     eager = set(parse_ladder(args.eager)) if args.eager else set()
     rows = []
     for layers, width in parse_ladder(args.shapes):

@@ -629,7 +629,13 @@ def test_estimate_covers_the_steps_left():
     assert est.seconds(run) == pytest.approx(3.0 * full)
     assert est.seconds(run, done=run.steps // 4) == pytest.approx(3.0 * plan.H100.run_seconds(run, run.steps - run.steps // 4))
     est.add(run, {"wall_seconds": 0.0, "resumed_from_step": 0})  # a diverged record: nothing measured
-    assert len(est.ratios) == 1
+    assert est.count() == 1
+    # two runs of one width: their own median; a width with fewer: every run's
+    other = next(r for r in _mini_plan() if r.model.width != run.model.width)
+    est.add(run, {"wall_seconds": 5.0 * full, "resumed_from_step": 0})
+    est.add(other, {"wall_seconds": 10.0 * plan.H100.run_seconds(other), "resumed_from_step": 0})
+    assert est.seconds(run) == pytest.approx(4.0 * full)
+    assert est.seconds(other) == pytest.approx(5.0 * plan.H100.run_seconds(other))
 
 
 def test_checkpointed_step_reads_only_its_own_runs_checkpoint(tmp_path):

@@ -208,25 +208,36 @@ H100 = StepCost()
 
 
 class Estimator:
-    """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by the median
-    ratio of measured to predicted seconds of the runs finished on this device (in this invocation,
-    or restored: they trained as this sweep trains, so many at once included). None: no guess (CPU
-    before its first run)."""
+    """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by the median ratio
+    of measured to predicted seconds of the runs finished on this device (in this invocation, or
+    restored: they trained as this sweep trains, so many at once included), of the same width where
+    two or more have finished (the ratio grows as the width shrinks: 2.7-4.9x on an H200 with six at
+    once, from 384 down to 128). None: no guess (CPU before its first run)."""
 
     def __init__(self, cuda: bool):
-        self.ratios: list[float] = []
+        self.ratios: dict[int, list[float]] = {}
         self.cuda = cuda
 
     def add(self, run, result: dict):
         """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on."""
         left = run.steps - (result.get("resumed_from_step") or 0)
         if result.get("wall_seconds") and left > 0:
-            self.ratios.append(result["wall_seconds"] / H100.run_seconds(run, left))
+            self.ratios.setdefault(run.model.width, []).append(result["wall_seconds"] / H100.run_seconds(run, left))
+
+    def ratio(self, width: int | None = None) -> float | None:
+        """The median ratio of runs of ``width`` (of every run with fewer than two of it)."""
+        same = self.ratios.get(width, [])
+        pool = same if len(same) >= 2 else [r for rs in self.ratios.values() for r in rs]
+        return statistics.median(pool) if pool else None
+
+    def count(self) -> int:
+        return sum(len(rs) for rs in self.ratios.values())
 
     def seconds(self, run, done: int = 0) -> float | None:
-        if not self.ratios and not self.cuda:
+        ratio = self.ratio(run.model.width)
+        if ratio is None and not self.cuda:
             return None
-        return H100.run_seconds(run, run.steps - done) * (statistics.median(self.ratios) if self.ratios else 1.0)
+        return H100.run_seconds(run, run.steps - done) * (1.0 if ratio is None else ratio)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -239,9 +238,9 @@ def print_left(runs, folder: Path, runs_per_device: int, out=print):
     for r in runs:
         if r.id in done and done[r.id].get("device") == device:
             est.add(r, done[r.id])
-    if est.ratios and left:
-        line += (f"; the {len(est.ratios)} finished on {device} took {statistics.median(est.ratios):.2f}x that estimate "
-                 f"(median), so about {sum(est.seconds(r) for r in left) / runs_per_device / 60:.1f} min of one {device} "
+    if est.count() and left:
+        line += (f"; the {est.count()} finished on {device} took {est.ratio():.2f}x that estimate "
+                 f"(median; by width where two or more), so about {sum(est.seconds(r) for r in left) / runs_per_device / 60:.1f} min of one {device} "
                  f"with --runs-per-device {runs_per_device} (the ratio holds for the concurrency they ran at)")
     out(line)
 

@@ -227,7 +227,7 @@ def print_plan(args, out=print) -> int:
 def print_left(runs, folder: Path, runs_per_device: int, out=print):
     """What of ``runs`` the output folder has not finished, and its time: on one H100 one at a time
     (``design.estimate``), and scaled as the finished runs measured on their device ran (``Estimator``)."""
-    done = {r.id: rec for r in runs if (rec := read_json(folder / "runs" / f"{r.id}.json")) and rec.get("val_loss") is not None}
+    done = {r.id: rec for r in runs if (rec := read_json(folder / "runs" / f"{r.id}.json"))}  # diverged ones too
     if not done:
         return
     left = [r for r in runs if r.id not in done]
@@ -239,9 +239,10 @@ def print_left(runs, folder: Path, runs_per_device: int, out=print):
         if r.id in done and done[r.id].get("device") == device:
             est.add(r, done[r.id])
     if est.count() and left:
-        line += (f"; the {est.count()} finished on {device} took {est.ratio():.2f}x that estimate "
-                 f"(median; by width where two or more), so about {sum(est.seconds(r) for r in left) / runs_per_device / 60:.1f} min of one {device} "
-                 f"with --runs-per-device {runs_per_device} (the ratio holds for the concurrency they ran at)")
+        minutes = sum(est.seconds(r) for r in left) / runs_per_device / 60
+        line += (f"; the {est.count()} finished on {device} took {est.ratio():.2f}x that estimate (median; by width "
+                 f"where two or more), so about {minutes:.1f} min of one {device} with --runs-per-device "
+                 f"{runs_per_device} (the ratio holds for the concurrency they ran at)")
     out(line)
 
 

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="a text file, a folder of text files, or JSON lines with a 'text' field (default: every "
-                        "Python source and text file of this Python installation)")
+                        "Python source and text file of this Python installation, so that a sweep resumed on "
+                        "another machine needs the same Python and packages there; a folder pins the corpus)")
     g.add_argument("--tokenizer", choices=data_mod.TOKENIZERS, default="byte",
                    help="byte: UTF-8 bytes; bpe: a byte-level BPE trained on the train split (needs tokenizers) "
                         "(default: %(default)s)")

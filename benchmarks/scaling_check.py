@@ -35,13 +35,19 @@ from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladd
 from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, set_deterministic
 
 
-def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: int, tokens: torch.Tensor) -> dict:
-    torch.manual_seed(0)
+def make_stepper(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor, *, backend: str = "kernels",
+                 capture: bool = True, seed: int = 0, beside_others: bool = False) -> Stepper:
+    """The sweep's training step for ``steps`` steps of a fresh ``cfg`` (initialised from ``seed``), in bf16."""
+    torch.manual_seed(seed)
     model = GPT(cfg, backend, compute_dtype=torch.bfloat16).cuda()
-    tcfg = TrainConfig(steps=steps + 1, batch_size=batch, lr=1e-3, warmup_steps=1)
+    dev = torch.device("cuda")
+    return Stepper(model, TrainConfig(steps=steps, batch_size=batch, lr=1e-3, warmup_steps=1, seed=seed), tokens,
+                   device=dev, amp=autocast_for(dev, torch.bfloat16), capture=capture, beside_others=beside_others)
+
+
+def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: int, tokens: torch.Tensor) -> dict:
     t0 = time.perf_counter()
-    stepper = Stepper(model, tcfg, tokens, device=torch.device("cuda"), amp=autocast_for(torch.device("cuda"),
-                      torch.bfloat16), capture=capture)
+    stepper = make_stepper(cfg, batch, steps + 1, tokens, backend=backend, capture=capture)
     setup = time.perf_counter() - t0
     stepper.advance(1)
     torch.cuda.synchronize()
@@ -63,15 +69,10 @@ def time_step(cfg: ModelConfig, batch: int, backend: str, capture: bool, steps: 
 
 def time_at_once(cfg: ModelConfig, batch: int, runs: int, steps: int, tokens: torch.Tensor) -> dict:
     """``runs`` captured runs of ``cfg`` on a stream each, their steps replayed side by side."""
-    amp, dev = autocast_for(torch.device("cuda"), torch.bfloat16), torch.device("cuda")
     streams, steppers = [torch.cuda.Stream() for _ in range(runs)], []
     for i, stream in enumerate(streams):
         with torch.cuda.stream(stream):
-            torch.manual_seed(i)
-            model = GPT(cfg, "kernels", compute_dtype=torch.bfloat16).cuda()
-            steppers.append(Stepper(model, TrainConfig(steps=steps + 1, batch_size=batch, lr=1e-3, warmup_steps=1,
-                                                       seed=i), tokens, device=dev, amp=amp, capture=True,
-                                    beside_others=runs > 1))
+            steppers.append(make_stepper(cfg, batch, steps + 1, tokens, seed=i, beside_others=runs > 1))
             steppers[-1].advance(1)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -126,10 +127,7 @@ def family(kernel: str) -> str:
 def profile_step(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor) -> dict:
     """GPU time of ``steps`` eager steps of the kernels backend, by kernel family and by kernel."""
     from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    model = GPT(cfg, "kernels", compute_dtype=torch.bfloat16).cuda()
-    stepper = Stepper(model, TrainConfig(steps=steps + 2, batch_size=batch, lr=1e-3, warmup_steps=1), tokens,
-                      device=torch.device("cuda"), amp=autocast_for(torch.device("cuda"), torch.bfloat16), capture=False)
+    stepper = make_stepper(cfg, batch, steps + 2, tokens, capture=False)
     stepper.advance(1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -1,5 +1,5 @@
-"""What the kernels can rely on under Triton's interpreter as on the GPU (the shims of
-``llmkernels.ops._launch``): fp32 -> bf16 rounds to nearest even (the interpreter alone truncates),
+"""What the kernels can rely on under Triton's interpreter as on the GPU (``llmkernels.ops._interpreter_shims``,
+installed by ``_launch``): fp32 -> bf16 rounds to nearest even (the interpreter alone truncates),
 and a load or store outside the launch's tensors fails (the interpreter alone reads any address)."""
 import pytest
 import torch

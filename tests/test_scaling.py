@@ -619,21 +619,24 @@ def test_horizon_and_the_runs_measured_before_decide_what_starts(tmp_path, capsy
 
 
 def test_estimate_covers_the_steps_left():
-    """A resumed run's seconds measured the steps it had left; a checkpoint's step shortens a prediction."""
+    """A resumed run's seconds measured the steps it had left; a checkpoint's step shortens a prediction;
+    another card's runs measure nothing here."""
     run = next(r for r in _mini_plan() if r.stage == "sweep")
-    est = runner.Estimator(cuda=False)
+    est = plan.Estimator(cuda=False, device="GPU X")
     assert est.seconds(run) is None
     full = plan.H100.run_seconds(run)
     half = run.steps // 2
-    est.add(run, {"wall_seconds": 3.0 * plan.H100.run_seconds(run, run.steps - half), "resumed_from_step": half})
+    est.add(run, {"wall_seconds": 3.0 * plan.H100.run_seconds(run, run.steps - half), "resumed_from_step": half,
+                  "device": "GPU X"})
     assert est.seconds(run) == pytest.approx(3.0 * full)
     assert est.seconds(run, done=run.steps // 4) == pytest.approx(3.0 * plan.H100.run_seconds(run, run.steps - run.steps // 4))
-    est.add(run, {"wall_seconds": 0.0, "resumed_from_step": 0})  # a diverged record: nothing measured
+    est.add(run, {"wall_seconds": 0.0, "resumed_from_step": 0, "device": "GPU X"})  # a diverged record: nothing measured
     assert est.count() == 1
     # two runs of one width: their own median; a width with fewer: every run's
     other = next(r for r in _mini_plan() if r.model.width != run.model.width)
-    est.add(run, {"wall_seconds": 5.0 * full, "resumed_from_step": 0})
-    est.add(other, {"wall_seconds": 10.0 * plan.H100.run_seconds(other), "resumed_from_step": 0})
+    est.add(run, {"wall_seconds": 5.0 * full, "resumed_from_step": 0, "device": "GPU X"})
+    est.add(run, {"wall_seconds": 50.0 * full, "resumed_from_step": 0, "device": "GPU Y"})  # another card
+    est.add(other, {"wall_seconds": 10.0 * plan.H100.run_seconds(other), "resumed_from_step": 0, "device": "GPU X"})
     assert est.seconds(run) == pytest.approx(4.0 * full)
     assert est.seconds(other) == pytest.approx(5.0 * plan.H100.run_seconds(other))
 

@@ -209,19 +209,20 @@ H100 = StepCost()
 
 class Estimator:
     """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by the median ratio
-    of measured to predicted seconds of the runs finished on this device (in this invocation, or
-    restored: they trained as this sweep trains, so many at once included), of the same width where
-    two or more have finished (the ratio grows as the width shrinks: 2.7-4.9x on an H200 with six at
-    once, from 384 down to 128). None: no guess (CPU before its first run)."""
+    of measured to predicted seconds of the runs finished on ``device`` (a result's ``device``: in
+    this invocation, or restored: they trained as this sweep trains, so many at once included), of
+    the same width where two or more have finished (the ratio grows as the width shrinks: 2.7-4.9x
+    on an H200 with six at once, from 384 down to 128). None: no guess (CPU before its first run)."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, device: str):
         self.ratios: dict[int, list[float]] = {}
-        self.cuda = cuda
+        self.cuda, self.device = cuda, device
 
     def add(self, run, result: dict):
-        """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on."""
+        """``result``'s ``wall_seconds`` covered its steps from ``resumed_from_step`` on; a result
+        of another device is no measure of this one."""
         left = run.steps - (result.get("resumed_from_step") or 0)
-        if result.get("wall_seconds") and left > 0:
+        if result.get("device") == self.device and result.get("wall_seconds") and left > 0:
             self.ratios.setdefault(run.model.width, []).append(result["wall_seconds"] / H100.run_seconds(run, left))
 
     def ratio(self, width: int | None = None) -> float | None:

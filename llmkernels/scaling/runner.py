@@ -62,8 +62,8 @@ class Session:
         self.runs_dir, self.ckpt_dir = self.out / "runs", self.out / "checkpoints"
         self.deadline = None if args.time_limit is None else time.time() + args.time_limit
         self.start_by = self.deadline if args.horizon is None else time.time() + args.horizon
-        self.device_name = torch.cuda.get_device_name(self.devices[0]) if self.cuda else "cpu"
-        self.estimator, self.timed = Estimator(self.cuda), set()
+        device_name = torch.cuda.get_device_name(self.devices[0]) if self.cuda else "cpu"
+        self.estimator, self.timed = Estimator(self.cuda, device_name), set()
         self.t_start = time.time()
         self.trainer = None
 
@@ -139,12 +139,12 @@ class Session:
     def execute(self, runs, title: str) -> tuple[list[dict], list[str]]:
         """Train the runs not finished yet (``run_order``), packing the archive after each that
         finishes. Returns every finished result of ``runs`` and the ids still missing."""
-        todo = [] if self.args.fit_only else [r for r in run_order(runs) if not self.finished(r)]
-        for run in runs:  # what earlier invocations measured on this device predicts this one's runs
-            prev = self.finished(run)
-            if prev and run.id not in self.timed and prev.get("device") == self.device_name:
+        before = {run.id: self.finished(run) for run in runs}
+        for run in runs:  # what earlier invocations measured predicts this one's runs
+            if before[run.id] and run.id not in self.timed:
                 self.timed.add(run.id)
-                self.estimator.add(run, prev)
+                self.estimator.add(run, before[run.id])
+        todo = [] if self.args.fit_only else [r for r in run_order(runs) if not before[r.id]]
         done = 0
         for out in self.trainer.run(todo, self.task) if todo else ():
             status, run = out["status"], out["run"]
@@ -160,8 +160,8 @@ class Session:
                 self.log(f"{out['id']}: {status.upper()}: {out['error']}")
             if status in ("done", "diverged"):
                 self.pack()
-        results = [r for r in map(self.finished, runs) if r]
-        return results, [run.id for run in runs if not self.finished(run)]
+        after = {run.id: self.finished(run) for run in runs}
+        return [r for r in after.values() if r], [run_id for run_id, r in after.items() if not r]
 
     @staticmethod
     def tags(run, key) -> dict:

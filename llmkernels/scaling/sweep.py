@@ -235,9 +235,9 @@ def print_left(runs, folder: Path, runs_per_device: int, out=print):
     line = (f"finished in {folder}: {len(done)} of {len(runs)} runs; left: {len(left)} runs, "
             f"{sum(r.compute for r in left):.3g} FLOPs, about {estimate([left], pieces=0) / 60:.1f} min on one H100")
     device = Counter(rec.get("device") for rec in done.values()).most_common(1)[0][0]
-    est = Estimator(cuda=True)
+    est = Estimator(cuda=True, device=device)
     for r in runs:
-        if r.id in done and done[r.id].get("device") == device:
+        if r.id in done:
             est.add(r, done[r.id])
     if est.count() and left:
         minutes = sum(est.seconds(r) for r in left) / runs_per_device / 60

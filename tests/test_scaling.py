@@ -638,7 +638,38 @@ def test_estimate_covers_the_steps_left():
     est.add(run, {"wall_seconds": 50.0 * full, "resumed_from_step": 0, "device": "GPU Y"})  # another card
     est.add(other, {"wall_seconds": 10.0 * plan.H100.run_seconds(other), "resumed_from_step": 0, "device": "GPU X"})
     assert est.seconds(run) == pytest.approx(4.0 * full)
+    assert est.seconds(run, q=0.9) == pytest.approx(4.8 * full)  # between the two, near the slower
     assert est.seconds(other) == pytest.approx(5.0 * plan.H100.run_seconds(other))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_quantile_is_numpys_linear_quantile(n):
+    values = list(np.random.default_rng(n).exponential(3.0, n))
+    for q in (0.0, 0.25, 0.5, 0.9, 1.0):
+        assert plan.quantile(values, q) == pytest.approx(float(np.quantile(values, q)))
+
+
+def test_a_run_starts_under_a_horizon_by_the_slow_end_of_its_widths_ratios(tmp_path):
+    """The runs of one width measured 2x, 3x and 10x their H100 estimate (how many shared the GPU
+    differs): a run is started only if it ends in time at the slow end, where the median would
+    have cut it short."""
+    args = sweep.build_parser().parse_args(["--out", str(tmp_path), "--device", "cpu", *MINI])
+    session = runner.Session(args, [])
+    session.hp, session.fingerprint = design_mod.design_from(args)[1], "f" * 16
+    run = next(r for r in _mini_plan() if r.stage == "sweep")
+    for ratio in (2.0, 3.0, 10.0):
+        session.estimator.add(run, {"wall_seconds": ratio * plan.H100.run_seconds(run), "device": "cpu"})
+    task = session.task(run)
+    assert task.predicted == pytest.approx(plan.quantile([2.0, 3.0, 10.0], plan.ADMIT_QUANTILE) * plan.H100.run_seconds(run))
+    assert task.predicted > 3.0 * plan.H100.run_seconds(run)
+    # the stage's time left counts every run not finished (a horizon's skipped ones too), at the median
+    lines, (other,) = [], [r for r in _mini_plan() if r.stage == "sweep" and r.id != run.id][:1]
+    session.log, session.meta = lines.append, {"val_tokens_per_byte": 1.0}
+    session.trainer = type("Trainer", (), {"workers": 2})()
+    result = {"val_loss": 1.0, "train_seconds": 1.0, "tokens_per_s": 1.0, "mfu": None}
+    session.log_result("upper", 1, 3, run, result, [run, other])
+    eta = sum(session.estimator.seconds(r) for r in (run, other)) / 2
+    assert lines[-1].endswith(f"; about {runner._fmt_seconds(eta)} left in this stage"), lines
 
 
 def test_checkpointed_step_reads_only_its_own_runs_checkpoint(tmp_path):

@@ -13,7 +13,6 @@ of the context (Kaplan et al. 2020 count it so). Norm weights are in ``N_total``
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass
 
 HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a multiple of it
@@ -207,12 +206,28 @@ class StepCost:
 H100 = StepCost()
 
 
+# A run started under a horizon is predicted from the slow end of its width's ratios: they spread
+# 2-3x with how many runs share the GPU meanwhile, a run cut short at a session's end loses its work,
+# and a slot left empty costs little (runs at once share one GPU's throughput: six give 1.04-1.21x one).
+ADMIT_QUANTILE = 0.9
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linear between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (at - low) * (ordered[high] - ordered[low])
+
+
 class Estimator:
-    """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by the median ratio
-    of measured to predicted seconds of the runs finished on ``device`` (a result's ``device``: in
-    this invocation, or restored: they trained as this sweep trains, so many at once included), of
-    the same width where two or more have finished (the ratio grows as the width shrinks: 2.7-4.9x
-    on an H200 with six at once, from 384 down to 128). None: no guess (CPU before its first run)."""
+    """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by a quantile (the
+    median unless told) of the ratios of measured to predicted seconds of the runs finished on
+    ``device`` (a result's ``device``: in this invocation, or restored: they trained as this sweep
+    trains, so many at once included), of the same width where two or more have finished (the ratio
+    grows as the width shrinks: 2.7-4.9x on an H200 with six at once, from 384 down to 128). None: no
+    guess (CPU before its first run)."""
 
     def __init__(self, cuda: bool, device: str):
         self.ratios: dict[int, list[float]] = {}
@@ -225,17 +240,17 @@ class Estimator:
         if result.get("device") == self.device and result.get("wall_seconds") and left > 0:
             self.ratios.setdefault(run.model.width, []).append(result["wall_seconds"] / H100.run_seconds(run, left))
 
-    def ratio(self, width: int | None = None) -> float | None:
-        """The median ratio of runs of ``width`` (of every run with fewer than two of it)."""
+    def ratio(self, width: int | None = None, q: float = 0.5) -> float | None:
+        """The ``q`` quantile of the ratios of runs of ``width`` (of every run with fewer than two of it)."""
         same = self.ratios.get(width, [])
         pool = same if len(same) >= 2 else [r for rs in self.ratios.values() for r in rs]
-        return statistics.median(pool) if pool else None
+        return quantile(pool, q) if pool else None
 
     def count(self) -> int:
         return sum(len(rs) for rs in self.ratios.values())
 
-    def seconds(self, run, done: int = 0) -> float | None:
-        ratio = self.ratio(run.model.width)
+    def seconds(self, run, done: int = 0, q: float = 0.5) -> float | None:
+        ratio = self.ratio(run.model.width, q)
         if ratio is None and not self.cuda:
             return None
         return H100.run_seconds(run, run.steps - done) * (1.0 if ratio is None else ratio)

@@ -21,7 +21,7 @@ import torch
 from . import data as data_mod
 from . import fit, report, surface
 from .design import centre_plan, design_from, run_order
-from .plan import Estimator, LRRule, ladder_models
+from .plan import ADMIT_QUANTILE, Estimator, LRRule, ladder_models
 from .store import pack, read_centres, read_json, read_rule, read_spans, restore, write_json
 from .train import TrainConfig, set_deterministic
 from .workers import Local, Pool, Setup, Task
@@ -123,7 +123,7 @@ class Session:
         return Task(run=run, train=tcfg, key=key, tags=self.tags(run, key), data_dir=str(self.out / "data" / self.fingerprint),
                     runs_dir=str(self.runs_dir),
                     ckpt_path=str(self.ckpt_dir / f"{run.id}.pt"), deadline=self.deadline, start_by=self.start_by,
-                    predicted=self.estimator.seconds(run, self.checkpointed_step(run, key)))
+                    predicted=self.estimator.seconds(run, self.checkpointed_step(run, key), q=ADMIT_QUANTILE))
 
     def checkpointed_step(self, run, key) -> int:
         """The step ``run``'s checkpoint holds (0 without one of this key): where it resumes."""
@@ -145,14 +145,16 @@ class Session:
                 self.timed.add(run.id)
                 self.estimator.add(run, before[run.id])
         todo = [] if self.args.fit_only else [r for r in run_order(runs) if not before[r.id]]
-        done = 0
+        done, unfinished = 0, {r.id: r for r in todo}
         for out in self.trainer.run(todo, self.task) if todo else ():
             status, run = out["status"], out["run"]
+            if status in ("done", "diverged", "failed"):
+                unfinished.pop(out["id"], None)
             if status == "done":
                 done += 1
                 self.timed.add(run.id)
                 self.estimator.add(run, out["result"])
-                self.log_result(title, done, len(todo), run, out["result"])
+                self.log_result(title, done, len(todo), run, out["result"], list(unfinished.values()))
             elif status == "timeup":
                 self.log(out["error"])
                 self.trainer.stop()
@@ -168,9 +170,10 @@ class Session:
         return {"key": key, "id": run.id, "stage": run.stage, "budget": run.budget, "seed": run.seed,
                 "lr_mult": run.lr_mult, "batch": run.batch_size, "lr": run.lr}
 
-    def log_result(self, title, done, total, run, result):
-        left = total - done
-        eta = sum(self.estimator.seconds(r) or 0.0 for r in self.trainer.pending)
+    def log_result(self, title, done, total, run, result, left):
+        """One finished run, and the time of the stage's ``left`` runs (those in progress counted
+        whole; those a horizon will not start in this invocation too)."""
+        eta = sum(self.estimator.seconds(r) or 0.0 for r in left)
         self.log(f"[{title} {done}/{total}] {run.id}: loss {result['val_loss']:.4f} "
                  f"({data_mod.bits_per_byte(result['val_loss'], self.meta['val_tokens_per_byte']):.3f} bits/byte) in "
                  f"{result['train_seconds']:.1f} s, {result['tokens_per_s']:,.0f} tok/s"

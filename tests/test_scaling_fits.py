@@ -456,6 +456,18 @@ def test_report_text_is_computed_from_its_runs(tmp_path, seed):
     for p_ in literature.LITERATURE:
         assert p_.label in md
     assert all(f"{s.a:.3f}" in md for s in literature.PORIAN_STEPS)
+    # every budget trained batch 16: said once, in both paragraphs that name the batch
+    assert md.count("16 at every budget") == 2, md
+    # Hoffmann et al. print approach 1's b = 0.50 beside (0.501, 0.512) and approach 3's a = 0.46 beside
+    # (0.454, 0.455): said so, and of those alone
+    noted = [line for line in md.splitlines() if "outside the interval beside it" in line]
+    assert [line.split(":")[0] for line in noted] == [literature.by_key(k).label for k in ("chinchilla_1", "chinchilla_3")]
+
+
+def test_batch_text_names_ranges_of_budgets_with_one_batch():
+    assert markdown.batch_text({"1e+15": [64], "2e+15": [64]}) == "64 at every budget"
+    assert markdown.batch_text({"1e+14": [16], "5e+14": [16], "1e+15": [32, 64], "2e+15": [64], "3e+15": [64]}) == \
+        "1e+14-5e+14: 16; 1e+15: 32/64; 2e+15-3e+15: 64"
 
 
 def test_literature_records_carry_their_sources():

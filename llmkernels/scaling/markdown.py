@@ -69,13 +69,27 @@ def _gate_lines(an: dict) -> list[str]:
     return lines + ["", tail, ""]
 
 
+def batch_text(batch_by_budget: dict) -> str:
+    """Sequences a step by budget (``{budget: [batch, ...]}``, budgets rising), runs of budgets with
+    the same batches as one range: ``64 at every budget`` or ``1e+15-2e+15: 32; 3e+15: 64``."""
+    groups = []  # [first budget, last budget, batches]
+    for budget, batches in batch_by_budget.items():
+        if groups and groups[-1][2] == batches:
+            groups[-1][1] = budget
+        else:
+            groups.append([budget, budget, batches])
+    if len(groups) == 1:
+        return f"{'/'.join(map(str, groups[0][2]))} at every budget"
+    return "; ".join(f"{lo}{'' if lo == hi else '-' + hi}: {'/'.join(map(str, b))}" for lo, hi, b in groups)
+
+
 def _design_lines(an: dict) -> list[str]:
     d = an["design"]
     if not d["budgets"]:
         return ["## Design", "", f"{d['runs']} runs, none of them an IsoFLOP run.", ""]
     cs, p, t, tpp = d["budgets"], d["params"], d["tokens"], d["tokens_per_param"]
     stages = ", ".join(f"{n} {s}" for s, n in sorted(d["by_stage"].items()))
-    batches = "; ".join(f"{c}: {'/'.join(map(str, b))}" for c, b in d["batch_by_budget"].items())
+    batches = batch_text(d["batch_by_budget"])
     sizes = d["sizes_per_budget"]
     return ["## Design", "",
             f"{d['runs']} runs ({stages}). IsoFLOP grid: {len(cs)} budgets from {cs[0]:.3g} to {cs[-1]:.3g} FLOPs "
@@ -171,6 +185,12 @@ def _published_row(p) -> str:
     return f"| {p.label} | {p.a:.3g}{iv(p.a_interval)} | {num(p.b, '.3g')}{iv(p.b_interval)} | {p.interval_level or 'n/a'} |"
 
 
+def _outside(p) -> bool:
+    """Whether a published point lies outside its own printed interval (rounded: two of Hoffmann et al.'s do)."""
+    return any(v is not None and iv is not None and not iv[0] <= v <= iv[1]
+               for v, iv in ((p.a, p.a_interval), (p.b, p.b_interval)))
+
+
 def literature_lines(an: dict, meta: dict) -> list[str]:
     """The published exponents (``literature.LITERATURE``) beside this sweep's, and what differs at
     this scale, each difference stated with this sweep's own numbers."""
@@ -182,6 +202,10 @@ def literature_lines(an: dict, meta: dict) -> list[str]:
                      f"| {num(an['estimates'][f'a{key}_b'])} {bracket(ivals.get(f'a{key}_b'))} | {round(100 * ivals.get('level', 0.9))}%, "
                      "bootstrap |")
     lines += [_published_row(p) for p in LITERATURE]
+    for p in LITERATURE:
+        if _outside(p):
+            lines += ["", f"{p.label}: as printed in its source, the point estimate (rounded) outside the interval "
+                      "beside it."]
     lines += ["", "Porian et al.'s walk from Kaplan et al.'s setup to Chinchilla's (RefinedWeb, a with its 95% interval): "
               + "; ".join(f"{s.change}: {s.a:.3f} ({s.a_interval[0]}, {s.a_interval[1]})" for s in PORIAN_STEPS) + ".", ""]
     lines += ["Sources: " + "; ".join(dict.fromkeys(f"{p.source} <{p.url}>" for p in LITERATURE)) + ".", ""]
@@ -222,8 +246,8 @@ def literature_lines(an: dict, meta: dict) -> list[str]:
               f"{CHINCHILLA_MODEL[1] / CHINCHILLA_MODEL[0]:.0f} tokens a parameter"
               + (f" (here {min(ratio):.1f} to {max(ratio):.1f} at the fitted minima)" if ratio else "") + "; the "
               "exponents do. "
-              f"(3) Hyperparameters: one batch per budget ({'; '.join(f'{c}: {b[0]}' for c, b in d['batch_by_budget'].items())} "
-              f"sequences), warm-up {num(d['warmup_share'] and d['warmup_share'][1], '.0%')} of each run at most, AdamW "
+              f"(3) Hyperparameters: one batch per budget (sequences a step: {batch_text(d['batch_by_budget'])}), "
+              f"warm-up {num(d['warmup_share'] and d['warmup_share'][1], '.0%')} of each run at most, AdamW "
               f"beta2 {'/'.join(f'{v:g}' for v in d['beta2']) or 'n/a'}, and {how} rather than a rate tuned for every "
               "size: Porian et al.'s last correction, tuning the rate, batch and beta2 per size, moves a by "
               f"{PORIAN_STEPS[-2].a - PORIAN_STEPS[-1].a:.3f} at their scale; the batch check above measures how much "

@@ -3,8 +3,9 @@ ceiling and Quack.
 
 Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
 today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
-writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op,
-beside Quack where it is installed, at rows of 32K-128K columns and ragged ones: RMSNorm forward
+writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is
+each of the benchmark's own candidates (``EXPERIMENTS``: RMSNorm's forward a row a thread-block
+cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside Quack where it is installed, at rows of 32K-128K columns and ragged ones: RMSNorm forward
 and backward, LayerNorm backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
 float64 check of every provider, GPU time from CUDA-graph replay under
 ``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails
@@ -45,11 +46,20 @@ from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
 from llmkernels.tune.spaces import wide_row_candidates
 
+from cluster_rows import ClusterRows, rms_norm_cluster
+
 WIDTHS = (32768, 53248, 65536, 100000, 131072)
 TINY_SHAPES = ({"M": 3, "N": 1000},)
 # part -> (bench op, mode)
 PARTS = {"rmsnorm-fwd": ("rmsnorm", "fwd"), "rmsnorm-bwd": ("rmsnorm", "bwd"), "layernorm-bwd": ("layernorm", "bwd")}
 PEERS = ("quack",)
+# part -> {name: configuration} of candidates that are not (yet) strategies of the library
+EXPERIMENTS = {"rmsnorm-fwd": {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}}
+
+
+def strategies(part: str, n: int) -> dict:
+    """The strategies of ``part`` at rows of ``n``: the library's candidates, then the benchmark's own."""
+    return {**wide_row_candidates(n, PARTS[part][1] == "bwd"), **EXPERIMENTS.get(part, {})}
 
 
 class Choice(NamedTuple):
@@ -77,13 +87,22 @@ def _strategy(is_rms: bool, backward: bool, name: str):
     return call
 
 
+def _experiment(config: ClusterRows):
+    """A provider's function: RMSNorm's forward a row a cluster (``cluster_rows.py``)."""
+    def call(x, weight):
+        return rms_norm_cluster(x, weight, RMS_EPS, config)
+    return call
+
+
 def part_op(part: str, tiny: bool, choice: Choice = Choice()):
     """The bench op of ``part`` with a provider a strategy of ``choice`` (and the installed peers)."""
     name, mode = PARTS[part]
     op = ops()[name]
     backward = mode == "bwd"
-    strategies = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)}
-    providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in strategies}
+    chosen = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)}
+    providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in chosen}
+    providers.update((s, Provider(functools.partial(_experiment, config), backward=False))
+                     for s, config in EXPERIMENTS.get(part, {}).items() if choice(s))
     providers.update((p, op.providers[p]) for p in PEERS if p in op.providers)
     return dataclasses.replace(op, providers=providers, small_shapes=TINY_SHAPES if tiny else op.small_shapes)
 
@@ -93,16 +112,16 @@ class BudgetRunner(OpRunner):
     no width starts past the time ``deadline`` (time.monotonic); ``done(records)`` after each
     width, with the records so far."""
 
-    def __init__(self, op, settings: Settings, device, log, deadline: float, backward: bool):
+    def __init__(self, op, settings: Settings, device, log, deadline: float, part: str):
         super().__init__(op, settings, device, log)
-        self.deadline, self.backward, self.cut, self.n = deadline, backward, [], None
+        self.deadline, self.part, self.cut, self.n = deadline, part, [], None
         self.done = lambda records: None
 
     def providers(self, op) -> list:
         names = super().providers(op)
         if self.n is None:
             return names
-        here = wide_row_candidates(self.n, self.backward)
+        here = strategies(self.part, self.n)
         return [p for p in names if p in here or p in PEERS]
 
     def _run_case(self, op, dtype, kind, shape):
@@ -118,11 +137,10 @@ def summarise(part: str, records: list) -> list:
     """One record per (width, provider) of ``part``: % of copy, GPU µs, the strategy's
     configuration (at that width), status and note."""
     rows = []
-    backward = PARTS[part][1] == "bwd"
     for r in records:
-        strategies = wide_row_candidates(r["size"], backward)
+        here = strategies(part, r["size"])
         rows.append({"part": part, "n": r["size"], "rows": r["shape"]["M"], "provider": r["provider"],
-                     "config": repr(strategies[r["provider"]]) if r["provider"] in strategies else None,
+                     "config": repr(here[r["provider"]]) if r["provider"] in here else None,
                      "pct_copy": None if r["pct_copy"] is None else round(r["pct_copy"], 1),
                      "us": None if r["us"] is None else round(r["us"], 1), "rel_err": r["rel_err"],
                      "status": r["status"], "note": r["note"]})
@@ -189,7 +207,7 @@ def main(argv=None) -> int:
     for part in parts:
         name, mode = PARTS[part]
         settings = Settings(ops=[name], dtypes=["bf16"], sizes=widths, modes=(mode,), decode=False, eager=False)
-        runner = BudgetRunner(part_op(part, args.tiny, choice), settings, device, log, deadline, mode == "bwd")
+        runner = BudgetRunner(part_op(part, args.tiny, choice), settings, device, log, deadline, part)
         # (each width written as it ends: a strategy that kills the CUDA context keeps the rest)
         runner.done = lambda mine, part=part, runner=runner: write(
             args.out, {**header, "copy_gbps": {**header["copy_gbps"], part: runner.copy_gbps}},

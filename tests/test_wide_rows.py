@@ -17,13 +17,15 @@ def test_every_strategy_is_checked_and_written(tmp_path):
     assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd,layernorm-bwd", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "wide_rows.json").read_text())
     n = wide_rows.TINY_SHAPES[0]["N"]
+    found = {}
     for part, backward in (("rmsnorm-fwd", False), ("layernorm-bwd", True)):
-        records = {r["provider"]: r for r in summary["records"] if r["part"] == part}
-        assert set(records) == set(wide_row_candidates(n, backward))
+        found[part] = records = {r["provider"]: r for r in summary["records"] if r["part"] == part}
+        assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.EXPERIMENTS.get(part, ()))
         assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
-    assert records["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
+    assert found["layernorm-bwd"]["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
+    assert found["rmsnorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8)"
     table = (tmp_path / "wide_rows.md").read_text()
-    assert "## rmsnorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table
+    assert "## rmsnorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table and "| cluster 16384 | ok |" in table
 
 
 def test_a_spent_budget_starts_no_width(tmp_path):
@@ -36,13 +38,14 @@ def test_a_spent_budget_starts_no_width(tmp_path):
     (["--skip", "tma"], lambda name: "tma" not in name),
     (["--only", "tma,table"], lambda name: "tma" in name or name == "table"),
     (["--only", "split", "--skip", "tma,lag"], lambda name: name in ("split 8192x8", "split 4096x4 s3")),
+    (["--only", "cluster"], lambda name: name.startswith("cluster")),
 ])
 def test_strategies_chosen_by_words_of_their_names(tmp_path, flags, kept):
     wide_rows = benchmark_script("wide_rows")
     assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", *flags, "--out", str(tmp_path)]) == 0
     records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
-    names = wide_row_candidates(wide_rows.TINY_SHAPES[0]["N"], False)
-    assert sorted(r["provider"] for r in records) == sorted(filter(kept, names))
+    names = wide_rows.strategies("rmsnorm-fwd", wide_rows.TINY_SHAPES[0]["N"])
+    assert "cluster 8192" in names and sorted(r["provider"] for r in records) == sorted(filter(kept, names))
     assert all(r["status"] == "ok" for r in records), records
 
 

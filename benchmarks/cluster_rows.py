@@ -1,0 +1,57 @@
+"""A candidate for RMSNorm's forward at wide rows on Hopper, measured by ``benchmarks/wide_rows.py``
+before it may become a strategy of the library: a row a thread-block cluster.
+
+One program a row, the whole row one ``[1, BLOCK_N]`` tile, launched with ``num_ctas`` = the
+columns over ``cols_per_cta``: Triton spreads the tile over the cluster's CTAs (each loads its
+``cols_per_cta`` columns at once, 32 KB of bf16 at 16384) and reduces the sum of squares across
+them through distributed shared memory. It is the shape of Quack's forward (a row a cluster of
+2-8 CTAs, 16384 columns each): enough reads in flight per SM without a global-memory exchange.
+
+Triton compiles a reduction across a cluster's CTAs from 3.7 on; 3.6 refuses it at compile time
+("Layout has 4 CTAs per CGA, but the context requires 2"), so on 3.6 a row wider than
+``cols_per_cta`` is a failed record of the benchmark. Triton's interpreter ignores ``num_ctas``:
+there the kernel's arithmetic is checked, not its clusters.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from llmkernels.ops._triton import tl, triton
+
+
+class ClusterRows(NamedTuple):
+    """A row over a cluster of ``next_pow2(N) / cols_per_cta`` CTAs (at least one), 8 warps each."""
+
+    cols_per_cta: int
+    num_warps: int = 8
+
+
+@triton.jit
+def rms_fwd_cluster_kernel(X, W, Y, RSTD, N, stride_x, stride_y, eps, BLOCK_N: tl.constexpr):
+    """``y = w * (x * rstd).to(x.dtype)`` (Llama's casting) and ``rstd`` of row ``program_id``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0)  # (before the row's reduction: its latency overlaps)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(RSTD + row + tl.arange(0, 1), rstd)
+    x_hat = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (x_hat * w.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm_cluster(x: torch.Tensor, weight: torch.Tensor, eps: float, config: ClusterRows) -> torch.Tensor:
+    """RMSNorm of ``x [..., N]`` (rows of unit stride) by ``weight [N]``, a row a cluster."""
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight must have unit stride in their last dim")
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[1]
+    block = triton.next_power_of_2(n)
+    y = torch.empty_like(rows)
+    rstd = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
+    rms_fwd_cluster_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
+                                             BLOCK_N=block, num_warps=config.num_warps,
+                                             num_ctas=max(1, block // config.cols_per_cta))
+    return y.view(x.shape)

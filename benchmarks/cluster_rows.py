@@ -9,8 +9,9 @@ them through distributed shared memory. It is the shape of Quack's forward (a ro
 
 Triton compiles a reduction across a cluster's CTAs from 3.7 on; 3.6 refuses it at compile time
 ("Layout has 4 CTAs per CGA, but the context requires 2"), so on 3.6 a row wider than
-``cols_per_cta`` is a failed record of the benchmark. Triton's interpreter ignores ``num_ctas``:
-there the kernel's arithmetic is checked, not its clusters.
+``cols_per_cta`` would fail to build: ``why_not_here`` says so first, and the benchmark records
+the candidate as skipped. Triton's interpreter ignores ``num_ctas``: there the kernel's
+arithmetic is checked, not its clusters.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from typing import NamedTuple
 
 import torch
 
+from llmkernels.ops._launch import INTERPRET
 from llmkernels.ops._triton import tl, triton
+
+CLUSTER_REDUCE_TRITON = (3, 7)  # the first Triton that compiles a reduction across a cluster's CTAs
 
 
 class ClusterRows(NamedTuple):
@@ -40,6 +44,16 @@ def rms_fwd_cluster_kernel(X, W, Y, RSTD, N, stride_x, stride_y, eps, BLOCK_N: t
     tl.store(RSTD + row + tl.arange(0, 1), rstd)
     x_hat = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (x_hat * w.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def why_not_here() -> str | None:
+    """None where this Triton can build the kernel for a GPU (the interpreter runs it at any
+    version), else why not."""
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if INTERPRET or version >= CLUSTER_REDUCE_TRITON:
+        return None
+    return (f"Triton {triton.__version__} cannot build a reduction across a cluster's CTAs "
+            f"({'.'.join(map(str, CLUSTER_REDUCE_TRITON))} or newer can)")
 
 
 def rms_norm_cluster(x: torch.Tensor, weight: torch.Tensor, eps: float, config: ClusterRows) -> torch.Tensor:

@@ -39,14 +39,14 @@ from typing import NamedTuple
 
 import llmkernels
 from llmkernels.bench.ops_norm import LN_EPS, RMS_EPS
-from llmkernels.bench.registry import Provider, ops
+from llmkernels.bench.registry import Provider, Unavailable, ops
 from llmkernels.bench.report import write_texts
 from llmkernels.bench.runner import OpRunner, Settings, environment, script_device
 from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
 from llmkernels.tune.spaces import wide_row_candidates
 
-from cluster_rows import ClusterRows, rms_norm_cluster
+from cluster_rows import ClusterRows, rms_norm_cluster, why_not_here
 
 WIDTHS = (32768, 53248, 65536, 100000, 131072)
 TINY_SHAPES = ({"M": 3, "N": 1000},)
@@ -89,6 +89,10 @@ def _strategy(is_rms: bool, backward: bool, name: str):
 
 def _experiment(config: ClusterRows):
     """A provider's function: RMSNorm's forward a row a cluster (``cluster_rows.py``)."""
+    reason = why_not_here()
+    if reason:
+        raise Unavailable(reason)
+
     def call(x, weight):
         return rms_norm_cluster(x, weight, RMS_EPS, config)
     return call

@@ -2,6 +2,7 @@
 and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
 names; a spent time budget starts no width."""
 import json
+import sys
 
 import pytest
 
@@ -65,3 +66,18 @@ def test_each_width_is_written_as_it_ends(tmp_path, monkeypatch):
         wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", "--only", "table", "--out", str(tmp_path)])
     records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
     assert [(r["n"], r["provider"], r["status"]) for r in records] == [(1000, "table", "ok")]
+
+
+def test_the_cluster_candidate_is_skipped_where_triton_cannot_build_it(tmp_path, monkeypatch):
+    """Triton 3.6 refuses a reduction across a cluster's CTAs at compile time: the candidate is
+    recorded as skipped, with the reason, and the rest of the run goes on."""
+    wide_rows = benchmark_script("wide_rows")
+    cluster_rows = sys.modules["cluster_rows"]
+    monkeypatch.setattr(cluster_rows, "INTERPRET", False)
+    monkeypatch.setattr(cluster_rows.triton, "__version__", "3.6.0")
+    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd", "--only", "cluster,table", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "wide_rows.json").read_text())
+    assert [(r["provider"], r["status"]) for r in summary["records"]] == [("table", "ok")], summary["records"]
+    for name in ("cluster 16384", "cluster 8192"):
+        assert any(line.startswith(f"skipped {name} ") and "Triton 3.6.0 cannot build" in line
+                   for line in summary["header"]["skipped"]), summary["header"]["skipped"]

@@ -4,9 +4,9 @@ ceiling and Quack.
 Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
 today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
 writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is
-each of the benchmark's own candidates (``EXPERIMENTS``: RMSNorm's forward a row a thread-block
-cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside Quack where it is installed, at rows of 32K-128K columns and ragged ones: RMSNorm forward
-and backward, LayerNorm backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
+each of the benchmark's own candidates (``EXPERIMENTS``: the norms' forward a row a thread-block
+cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside Quack where it is
+installed, at rows of 32K-128K columns and ragged ones: both norms' forward and backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
 float64 check of every provider, GPU time from CUDA-graph replay under
 ``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails
 to compile, launch or check is a record with its error, not the end of the run; one that kills
@@ -46,15 +46,17 @@ from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
 from llmkernels.tune.spaces import wide_row_candidates
 
-from cluster_rows import ClusterRows, rms_norm_cluster, why_not_here
+from cluster_rows import ClusterRows, layer_norm_cluster, rms_norm_cluster, why_not_here
 
 WIDTHS = (32768, 53248, 65536, 100000, 131072)
 TINY_SHAPES = ({"M": 3, "N": 1000},)
 # part -> (bench op, mode)
-PARTS = {"rmsnorm-fwd": ("rmsnorm", "fwd"), "rmsnorm-bwd": ("rmsnorm", "bwd"), "layernorm-bwd": ("layernorm", "bwd")}
+PARTS = {"rmsnorm-fwd": ("rmsnorm", "fwd"), "rmsnorm-bwd": ("rmsnorm", "bwd"), "layernorm-fwd": ("layernorm", "fwd"),
+         "layernorm-bwd": ("layernorm", "bwd")}
 PEERS = ("quack",)
 # part -> {name: configuration} of candidates that are not (yet) strategies of the library
-EXPERIMENTS = {"rmsnorm-fwd": {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}}
+CLUSTERS = {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}
+EXPERIMENTS = {"rmsnorm-fwd": CLUSTERS, "layernorm-fwd": CLUSTERS}
 
 
 def strategies(part: str, n: int) -> dict:
@@ -87,14 +89,16 @@ def _strategy(is_rms: bool, backward: bool, name: str):
     return call
 
 
-def _experiment(config: ClusterRows):
-    """A provider's function: RMSNorm's forward a row a cluster (``cluster_rows.py``)."""
+def _experiment(is_rms: bool, config: ClusterRows):
+    """A provider's function: the norm's forward a row a cluster (``cluster_rows.py``)."""
     reason = why_not_here()
     if reason:
         raise Unavailable(reason)
 
-    def call(x, weight):
-        return rms_norm_cluster(x, weight, RMS_EPS, config)
+    def call(x, weight, bias=None):
+        if is_rms:
+            return rms_norm_cluster(x, weight, RMS_EPS, config)
+        return layer_norm_cluster(x, weight, bias, LN_EPS, config)
     return call
 
 
@@ -105,7 +109,7 @@ def part_op(part: str, tiny: bool, choice: Choice = Choice()):
     backward = mode == "bwd"
     chosen = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)}
     providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in chosen}
-    providers.update((s, Provider(functools.partial(_experiment, config), backward=False))
+    providers.update((s, Provider(functools.partial(_experiment, name == "rmsnorm", config), backward=False))
                      for s, config in EXPERIMENTS.get(part, {}).items() if choice(s))
     providers.update((p, op.providers[p]) for p in PEERS if p in op.providers)
     return dataclasses.replace(op, providers=providers, small_shapes=TINY_SHAPES if tiny else op.small_shapes)

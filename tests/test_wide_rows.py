@@ -15,18 +15,18 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--tiny is the CPU check
 
 def test_every_strategy_is_checked_and_written(tmp_path):
     wide_rows = benchmark_script("wide_rows")
-    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd,layernorm-bwd", "--out", str(tmp_path)]) == 0
+    assert wide_rows.main(["--tiny", "--parts", "rmsnorm-fwd,layernorm-fwd,layernorm-bwd", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "wide_rows.json").read_text())
     n = wide_rows.TINY_SHAPES[0]["N"]
     found = {}
-    for part, backward in (("rmsnorm-fwd", False), ("layernorm-bwd", True)):
+    for part, backward in (("rmsnorm-fwd", False), ("layernorm-fwd", False), ("layernorm-bwd", True)):
         found[part] = records = {r["provider"]: r for r in summary["records"] if r["part"] == part}
         assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.EXPERIMENTS.get(part, ()))
         assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
     assert found["layernorm-bwd"]["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
-    assert found["rmsnorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8)"
+    assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8)"
     table = (tmp_path / "wide_rows.md").read_text()
-    assert "## rmsnorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table and "| cluster 16384 | ok |" in table
+    assert "## layernorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table and "| cluster 16384 | ok |" in table
 
 
 def test_a_spent_budget_starts_no_width(tmp_path):

@@ -5,8 +5,8 @@ One program a row, the whole row one ``[1, BLOCK_N]`` tile, launched with ``num_
 columns over ``cols_per_cta``: Triton spreads the tile over the cluster's CTAs (each loads its
 ``cols_per_cta`` columns at once, 32 KB of bf16 at 16384) and reduces the sum of squares across
 them (LayerNorm's sum and sum of squares as one pair) through distributed shared memory. It is
-the shape of Quack's forward (a row a cluster of
-2-8 CTAs, 16384 columns each): enough reads in flight per SM without a global-memory exchange.
+the shape of Quack's forward (a row a cluster of 2-8 CTAs, 16384 columns each): enough reads in
+flight per SM without a global-memory exchange.
 
 Triton compiles a reduction across a cluster's CTAs from 3.7 on; 3.6 refuses it at compile time
 ("Layout has 4 CTAs per CGA, but the context requires 2"), so on 3.6 a row wider than

@@ -32,7 +32,7 @@ time limit loses only the runs in flight; --restore in the next call (a fresh ma
 from there. Checkpoints stay on the machine: calls chained on one machine pass their runs in flight
 on with a --horizon past each call's --time-limit, and the last call on it keeps its horizon at its
 limit, starting only runs that the runs measured so far on that device say will finish even at
-the slow end of their spread (``plan.ADMIT_QUANTILE``).
+the slow end of their spread (the 90th percentile of their width's).
 
 A replicate: the same command with another --seed (initialisation and data order of every run),
 then --compare A B sets the two sweeps' exponents side by side.

@@ -1,4 +1,4 @@
-"""The experiment's plan, in plain Python (no torch: ``--list`` prints it without building data).
+"""The experiment's plan, without torch (``--list`` prints it without building data).
 
 Model shapes (a ladder of ``(layers, width)``), compute budgets, the sizes each budget trains, the
 hyperparameter rule and the run records. Every count here is total: parameters include the (tied)
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 HEAD_DIM = 64  # FlashAttention's fastest head size on Hopper; every width is a multiple of it
 SEQ_LEN = 512
@@ -212,15 +214,6 @@ H100 = StepCost()
 ADMIT_QUANTILE = 0.9
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values``, linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    low = math.floor(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (at - low) * (ordered[high] - ordered[low])
-
-
 class Estimator:
     """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by a quantile (the
     median unless told) of the ratios of measured to predicted seconds of the runs finished on
@@ -244,7 +237,7 @@ class Estimator:
         """The ``q`` quantile of the ratios of runs of ``width`` (of every run with fewer than two of it)."""
         same = self.ratios.get(width, [])
         pool = same if len(same) >= 2 else [r for rs in self.ratios.values() for r in rs]
-        return quantile(pool, q) if pool else None
+        return float(np.quantile(pool, q)) if pool else None
 
     def count(self) -> int:
         return sum(len(rs) for rs in self.ratios.values())

@@ -165,6 +165,7 @@ def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out
     runs = [{**{k: r.get(k) for k in RUN_FIELDS}, "batch": r["train"]["batch_size"], "lr": r["train"]["lr"],
              **{k: v for k, v in r.items() if k not in ("history", "key")}} for r in results]
     report = {"info": info, "data": meta, "analysis": an, "runs": runs, **({"centres": centres} if centres else {})}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
+    # (compact: the machine's record and a resumed sweep's state, committed beside report.md, the reader's)
+    (out / "report.json").write_text(json.dumps(report, separators=(",", ":"), default=float) + "\n")
     (out / "report.md").write_text(markdown(info, an, results, meta))
     return an

@@ -1,12 +1,15 @@
-"""Candidates for the norms' forward at wide rows on Hopper, measured by ``benchmarks/wide_rows.py``
-before they may become strategies of the library: a row a thread-block cluster.
+"""Candidates for wide rows on Hopper, measured by ``benchmarks/wide_rows.py`` before they may become
+strategies of the library: a row a thread-block cluster, for the norms' forward and for
+cross-entropy with its gradient written over the logits.
 
 One program a row, the whole row one ``[1, BLOCK_N]`` tile, launched with ``num_ctas`` = the
 columns over ``cols_per_cta``: Triton spreads the tile over the cluster's CTAs (each loads its
 ``cols_per_cta`` columns at once, 32 KB of bf16 at 16384) and reduces the sum of squares across
 them (LayerNorm's sum and sum of squares as one pair) through distributed shared memory. It is
 the shape of Quack's forward (a row a cluster of 2-8 CTAs, 16384 columns each): enough reads in
-flight per SM without a global-memory exchange.
+flight per SM without a global-memory exchange. Cross-entropy's row (a vocabulary of 32K-256K)
+is read once the same way: its max, its sum of exponentials and its target's logit are reductions
+across the cluster, after which each CTA writes the gradient of the mean loss over its own columns.
 
 Triton compiles a reduction across a cluster's CTAs from 3.7 on; 3.6 refuses it at compile time
 ("Layout has 4 CTAs per CGA, but the context requires 2"), so on 3.6 a row wider than
@@ -22,6 +25,7 @@ import torch
 
 from llmkernels.ops._launch import INTERPRET
 from llmkernels.ops._triton import tl, triton
+from llmkernels.ops.losses.base import count_rows, finish_loss, scale_rows_
 from llmkernels.ops.norm.tile import shifted_var, sum_pair
 
 CLUSTER_REDUCE_TRITON = (3, 7)  # the first Triton that compiles a reduction across a cluster's CTAs
@@ -69,6 +73,29 @@ def ln_fwd_cluster_kernel(X, W, B, Y, MEAN, RSTD, N, stride_x, stride_y, eps, BL
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def ce_inplace_cluster_kernel(LOGITS, TARGET, LOSS, COUNT, V, stride, ignore_index, BLOCK_V: tl.constexpr):
+    """Row ``program_id``'s loss ``lse - x[target]`` (0 where ignored) and, over its logits, the
+    gradient of the mean loss, ``(softmax - onehot) / count``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)[None, :]
+    mask = cols < V
+    target = tl.load(TARGET + row)
+    ptrs = LOGITS + row * stride + cols
+    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    row_max = tl.max(x, axis=1)
+    e = tl.exp(x - row_max[:, None])
+    total = tl.sum(e, axis=1)
+    is_target = cols == target
+    # (the target's logit from the registers, not re-read: another CTA may have written its gradient)
+    loss = row_max + tl.log(total) - tl.sum(tl.where(is_target, x, 0.0), axis=1)
+    valid = target != ignore_index
+    tl.store(LOSS + row + tl.arange(0, 1), tl.where(valid, loss, 0.0))
+    scale = tl.where(valid, 1.0 / tl.load(COUNT).to(tl.float32), 0.0)
+    grad = (e / total[:, None] - is_target.to(tl.float32)) * scale
+    tl.store(ptrs, grad.to(LOGITS.dtype.element_ty), mask=mask)
+
+
 def why_not_here() -> str | None:
     """None where this Triton can build the kernel for a GPU (the interpreter runs it at any
     version), else why not."""
@@ -86,11 +113,17 @@ def _rows(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _cluster(n: int, config: ClusterRows) -> dict:
+    """The launch options of a row of ``n`` a program: its tile and the CTAs of its cluster."""
+    block = triton.next_power_of_2(n)
+    return {"num_warps": config.num_warps, "num_ctas": max(1, block // config.cols_per_cta), "block": block}
+
+
 def _launch(kernel, rows: torch.Tensor, y: torch.Tensor, pointers: tuple, eps: float, config: ClusterRows) -> None:
     """``kernel`` a row a program, over a cluster of ``next_pow2(N) / cols_per_cta`` CTAs."""
-    block = triton.next_power_of_2(rows.shape[1])
-    kernel[(rows.shape[0],)](*pointers, rows.shape[1], rows.stride(0), y.stride(0), eps, BLOCK_N=block,
-                             num_warps=config.num_warps, num_ctas=max(1, block // config.cols_per_cta))
+    options = _cluster(rows.shape[1], config)
+    kernel[(rows.shape[0],)](*pointers, rows.shape[1], rows.stride(0), y.stride(0), eps, BLOCK_N=options.pop("block"),
+                             **options)
 
 
 def _stat(rows: torch.Tensor) -> torch.Tensor:
@@ -112,3 +145,38 @@ def layer_norm_cluster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     y = torch.empty_like(rows)
     _launch(ln_fwd_cluster_kernel, rows, y, (rows, weight, bias, y, _stat(rows), _stat(rows)), eps, config)
     return y.view(x.shape)
+
+
+IGNORE_INDEX = -100
+
+
+class _ClusterCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy whose forward writes its gradient over the logits (the library's
+    ``inplace_backward``); the backward scales it by the upstream gradient, skipping a factor of 1."""
+
+    @staticmethod
+    def forward(ctx, logits, target, config):
+        count = count_rows(target, IGNORE_INDEX)
+        loss_rows = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+        options = _cluster(logits.shape[1], config)
+        ce_inplace_cluster_kernel[(logits.shape[0],)](logits, target, loss_rows, count, logits.shape[1],
+                                                       logits.stride(0), IGNORE_INDEX, BLOCK_V=options.pop("block"),
+                                                       **options)
+        ctx.save_for_backward(logits)
+        loss, _, _ = finish_loss(loss_rows, None, target, ignore_index=IGNORE_INDEX, reduction="mean", want_z=False,
+                                 dtype=logits.dtype, count=count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dlogits,) = ctx.saved_tensors
+        scale_rows_(dlogits, grad)
+        return dlogits, None, None
+
+
+def cross_entropy_inplace_cluster(logits: torch.Tensor, target: torch.Tensor, config: ClusterRows) -> torch.Tensor:
+    """The mean cross-entropy of ``logits [M, V]`` (rows of unit column stride; overwritten by the
+    gradient) against ``target [M]`` (``-100`` ignored; in range otherwise, unchecked), a row a cluster."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [M, V] with unit column stride, got strides {tuple(logits.stride())}")
+    return _ClusterCrossEntropy.apply(logits, target, config)

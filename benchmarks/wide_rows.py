@@ -1,17 +1,20 @@
 """One GPU, one process: the norms' strategies for wide rows side by side, against the copy
-ceiling and Quack.
+ceiling and Quack; and cross-entropy with its gradient written over the logits at large
+vocabularies, against the library's own in-place path and Liger.
 
 Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
 today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
 writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is
-each of the benchmark's own candidates (``EXPERIMENTS``: the norms' forward a row a thread-block
-cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside Quack where it is
-installed, at rows of 32K-128K columns and ragged ones: both norms' forward and backward. Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, the
+each of the benchmark's own candidates (``EXPERIMENTS``: the norms' forward and cross-entropy a
+row a thread-block cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside the
+peers where they are installed, at rows of 32K-128K columns and ragged ones (both norms' forward
+and backward) and at vocabularies of 32K-256K (cross-entropy's forward and backward in one pass,
+``cross-entropy-inplace``). Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, 2 GiB of logits, the
 float64 check of every provider, GPU time from CUDA-graph replay under
 ``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails
 to compile, launch or check is a record with its error, not the end of the run; one that kills
 the CUDA context ends the process, so ``--skip`` / ``--only`` choose strategies by words of
-their names (the peers always run) and the records are written after each width.
+their names (the providers a part names beside them always run) and the records are written after each width.
 
 Writes ``<out>/wide_rows.json`` (``{"header": {device, date, versions, command, copy_gbps of
 each part}, "records": [{"part", "n", "provider", "config", "pct_copy", "us", "status", "note"},
@@ -23,6 +26,7 @@ a run cut short keeps what it measured; past ``--budget-s`` no new width starts.
     python benchmarks/wide_rows.py --widths 32768,131072 --out $OUT                # every part, two widths
     python benchmarks/wide_rows.py --parts rmsnorm-fwd --skip tma --out $OUT       # all but the TMA candidates
     python benchmarks/wide_rows.py --parts rmsnorm-fwd --only tma,table --out $OUT # those and the tables' choice
+    python benchmarks/wide_rows.py --parts cross-entropy-inplace --out $OUT         # its vocabularies
     TRITON_INTERPRET=1 python benchmarks/wide_rows.py --tiny --out /tmp/wide   # CPU: the checks only
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ import os
 import shlex
 import sys
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import llmkernels
 from llmkernels.bench.ops_norm import LN_EPS, RMS_EPS
@@ -46,22 +50,65 @@ from llmkernels.ops import _device
 from llmkernels.ops.norm import NormConfig
 from llmkernels.tune.spaces import wide_row_candidates
 
-from cluster_rows import ClusterRows, layer_norm_cluster, rms_norm_cluster, why_not_here
+from cluster_rows import (ClusterRows, cross_entropy_inplace_cluster, layer_norm_cluster, rms_norm_cluster,
+                          why_not_here)
 
 WIDTHS = (32768, 53248, 65536, 100000, 131072)
+VOCABS = (32000, 128256, 262144)
 TINY_SHAPES = ({"M": 3, "N": 1000},)
-# part -> (bench op, mode)
-PARTS = {"rmsnorm-fwd": ("rmsnorm", "fwd"), "rmsnorm-bwd": ("rmsnorm", "bwd"), "layernorm-fwd": ("layernorm", "fwd"),
-         "layernorm-bwd": ("layernorm", "bwd")}
-PEERS = ("quack",)
-# part -> {name: configuration} of candidates that are not (yet) strategies of the library
+
+
+class Part(NamedTuple):
+    """What a part measures: the bench op and mode at its default widths, beside the op's providers
+    named in ``beside`` (the peers, and the library's own path where it has no strategies here);
+    ``library``: the library's wide-row strategies are providers (the norms)."""
+
+    op: str
+    mode: str
+    widths: tuple = WIDTHS
+    beside: tuple = ("quack",)
+    library: bool = True
+    tiny: tuple = TINY_SHAPES
+
+
+PARTS = {"rmsnorm-fwd": Part("rmsnorm", "fwd"), "rmsnorm-bwd": Part("rmsnorm", "bwd"),
+         "layernorm-fwd": Part("layernorm", "fwd"), "layernorm-bwd": Part("layernorm", "bwd"),
+         "cross-entropy-inplace": Part("cross_entropy", "fwd+bwd", VOCABS, ("llmkernels_inplace_unchecked", "liger"),
+                                       library=False, tiny=({"M": 3, "V": 1000},))}
+
+
+class Experiment(NamedTuple):
+    """A candidate that is not (yet) a strategy of the library: ``call(*inputs, config=...)``
+    under each of ``configs`` (by name); ``in_place``: it forms the gradient in the forward, over
+    its input."""
+
+    call: Callable
+    configs: dict
+    in_place: bool = False
+
+
 CLUSTERS = {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}
-EXPERIMENTS = {"rmsnorm-fwd": CLUSTERS, "layernorm-fwd": CLUSTERS}
+EXPERIMENTS = {
+    "rmsnorm-fwd": Experiment(lambda x, weight, bias=None, *, config: rms_norm_cluster(x, weight, RMS_EPS, config),
+                              CLUSTERS),
+    "layernorm-fwd": Experiment(lambda x, weight, bias, *, config: layer_norm_cluster(x, weight, bias, LN_EPS, config),
+                                CLUSTERS),
+    # (a 256K row over 8 CTAs of 16 warps, or over 16 CTAs, past the 8 a cluster is guaranteed)
+    "cross-entropy-inplace": Experiment(cross_entropy_inplace_cluster,
+                                        {"cluster 16384": ClusterRows(16384), "cluster 32768": ClusterRows(32768, 16)},
+                                        in_place=True),
+}
+
+
+def experiments(part: str) -> dict:
+    """The benchmark's own candidates of ``part``: {name: configuration}."""
+    return EXPERIMENTS[part].configs if part in EXPERIMENTS else {}
 
 
 def strategies(part: str, n: int) -> dict:
     """The strategies of ``part`` at rows of ``n``: the library's candidates, then the benchmark's own."""
-    return {**wide_row_candidates(n, PARTS[part][1] == "bwd"), **EXPERIMENTS.get(part, {})}
+    library = wide_row_candidates(n, PARTS[part].mode == "bwd") if PARTS[part].library else {}
+    return {**library, **experiments(part)}
 
 
 class Choice(NamedTuple):
@@ -89,30 +136,27 @@ def _strategy(is_rms: bool, backward: bool, name: str):
     return call
 
 
-def _experiment(is_rms: bool, config: ClusterRows):
-    """A provider's function: the norm's forward a row a cluster (``cluster_rows.py``)."""
+def _experiment(call: Callable, config: ClusterRows):
+    """A provider's function: ``call`` under ``config``, a row a cluster (``cluster_rows.py``)."""
     reason = why_not_here()
     if reason:
         raise Unavailable(reason)
-
-    def call(x, weight, bias=None):
-        if is_rms:
-            return rms_norm_cluster(x, weight, RMS_EPS, config)
-        return layer_norm_cluster(x, weight, bias, LN_EPS, config)
-    return call
+    return functools.partial(call, config=config)
 
 
 def part_op(part: str, tiny: bool, choice: Choice = Choice()):
     """The bench op of ``part`` with a provider a strategy of ``choice`` (and the installed peers)."""
-    name, mode = PARTS[part]
-    op = ops()[name]
-    backward = mode == "bwd"
-    chosen = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)}
-    providers = {s: Provider(functools.partial(_strategy, name == "rmsnorm", backward, s)) for s in chosen}
-    providers.update((s, Provider(functools.partial(_experiment, name == "rmsnorm", config), backward=False))
-                     for s, config in EXPERIMENTS.get(part, {}).items() if choice(s))
-    providers.update((p, op.providers[p]) for p in PEERS if p in op.providers)
-    return dataclasses.replace(op, providers=providers, small_shapes=TINY_SHAPES if tiny else op.small_shapes)
+    spec = PARTS[part]
+    op = ops()[spec.op]
+    backward = spec.mode == "bwd"
+    chosen = {s: None for n in WIDTHS for s in wide_row_candidates(n, backward) if choice(s)} if spec.library else {}
+    providers = {s: Provider(functools.partial(_strategy, spec.op == "rmsnorm", backward, s)) for s in chosen}
+    if part in EXPERIMENTS:
+        exp = EXPERIMENTS[part]
+        providers.update((s, Provider(functools.partial(_experiment, exp.call, config), backward=exp.in_place,
+                                      mutates=exp.in_place)) for s, config in exp.configs.items() if choice(s))
+    providers.update((p, op.providers[p]) for p in spec.beside if p in op.providers)
+    return dataclasses.replace(op, providers=providers, small_shapes=spec.tiny if tiny else op.small_shapes)
 
 
 class BudgetRunner(OpRunner):
@@ -130,13 +174,13 @@ class BudgetRunner(OpRunner):
         if self.n is None:
             return names
         here = strategies(self.part, self.n)
-        return [p for p in names if p in here or p in PEERS]
+        return [p for p in names if p in here or p in PARTS[self.part].beside]
 
     def _run_case(self, op, dtype, kind, shape):
         if time.monotonic() > self.deadline:
-            self.cut.append(shape["N"])
+            self.cut.append(shape[op.axis])
             return
-        self.n = shape["N"]
+        self.n = shape[op.axis]
         super()._run_case(op, dtype, kind, shape)
         self.done(self.records)
 
@@ -194,8 +238,9 @@ def _words(text: str) -> tuple:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
-    p.add_argument("--widths", type=lambda text: [int(n) for n in text.split(",")], default=list(WIDTHS),
-                   help="comma-separated (default: " + ",".join(map(str, WIDTHS)) + ")")
+    p.add_argument("--widths", type=lambda text: [int(n) for n in text.split(",")], default=None,
+                   help="comma-separated, for every part (default: " + ",".join(map(str, WIDTHS))
+                   + "; cross-entropy's vocabularies " + ",".join(map(str, VOCABS)) + ")")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of wide_rows.json / .md (default $OUT)")
     p.add_argument("--budget-s", type=float, default=450.0, help="start no width after this many seconds")
     p.add_argument("--only", type=_words, default=(), help="comma-separated: only strategies with one of "
@@ -204,7 +249,7 @@ def main(argv=None) -> int:
                    "in its name, e.g. tma")
     p.add_argument("--tiny", action="store_true", help="CPU: the checks only, at a tiny shape")
     args = p.parse_args(argv)
-    parts, widths, device = args.parts, args.widths, script_device(args.tiny, p.error)
+    parts, device = args.parts, script_device(args.tiny, p.error)
     choice = Choice(args.only, args.skip)
     deadline = time.monotonic() + args.budget_s
     header = {**environment(device), "command": "python benchmarks/wide_rows.py " + shlex.join(
@@ -213,8 +258,9 @@ def main(argv=None) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     records = []
     for part in parts:
-        name, mode = PARTS[part]
-        settings = Settings(ops=[name], dtypes=["bf16"], sizes=widths, modes=(mode,), decode=False, eager=False)
+        spec = PARTS[part]
+        settings = Settings(ops=[spec.op], dtypes=["bf16"], sizes=args.widths or list(spec.widths), modes=(spec.mode,),
+                            decode=False, eager=False)
         runner = BudgetRunner(part_op(part, args.tiny, choice), settings, device, log, deadline, part)
         # (each width written as it ends: a strategy that kills the CUDA context keeps the rest)
         runner.done = lambda mine, part=part, runner=runner: write(

@@ -1,10 +1,13 @@
 """benchmarks/wide_rows.py --tiny on CPU: every wide-row strategy passes the bench's float64 check,
 and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
-names; a spent time budget starts no width."""
+names; a spent time budget starts no width. The cluster candidate of cross-entropy against a
+float64 reference."""
 import json
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from llmkernels.tune.spaces import wide_row_candidates
 from tests.conftest import INTERPRETED
@@ -21,7 +24,7 @@ def test_every_strategy_is_checked_and_written(tmp_path):
     found = {}
     for part, backward in (("rmsnorm-fwd", False), ("layernorm-fwd", False), ("layernorm-bwd", True)):
         found[part] = records = {r["provider"]: r for r in summary["records"] if r["part"] == part}
-        assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.EXPERIMENTS.get(part, ()))
+        assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.experiments(part))
         assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
     assert found["layernorm-bwd"]["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
     assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8)"
@@ -54,7 +57,8 @@ def test_each_width_is_written_as_it_ends(tmp_path, monkeypatch):
     """A strategy that ends the process (as one that kills the CUDA context does) leaves the
     widths measured before it written."""
     wide_rows = benchmark_script("wide_rows")
-    monkeypatch.setattr(wide_rows, "TINY_SHAPES", ({"M": 3, "N": 1000}, {"M": 3, "N": 2000}))
+    monkeypatch.setitem(wide_rows.PARTS, "rmsnorm-fwd",
+                        wide_rows.PARTS["rmsnorm-fwd"]._replace(tiny=({"M": 3, "N": 1000}, {"M": 3, "N": 2000})))
     run_case = wide_rows.BudgetRunner._run_case
 
     def ends_at_the_second_width(self, op, dtype, kind, shape):
@@ -81,3 +85,33 @@ def test_the_cluster_candidate_is_skipped_where_triton_cannot_build_it(tmp_path,
     for name in ("cluster 16384", "cluster 8192"):
         assert any(line.startswith(f"skipped {name} ") and "Triton 3.6.0 cannot build" in line
                    for line in summary["header"]["skipped"]), summary["header"]["skipped"]
+
+
+def test_cross_entropy_part_measures_its_candidates_beside_the_library(tmp_path):
+    wide_rows = benchmark_script("wide_rows")
+    assert wide_rows.main(["--tiny", "--parts", "cross-entropy-inplace", "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "wide_rows.json").read_text())["records"]
+    assert {r["provider"]: (r["n"], r["status"]) for r in records} == {
+        "cluster 16384": (1000, "ok"), "cluster 32768": (1000, "ok"), "llmkernels_inplace_unchecked": (1000, "ok")}
+    assert "| cluster 32768 | ok |" in (tmp_path / "wide_rows.md").read_text()
+
+
+@pytest.mark.parametrize("m,v,cols_per_cta", [(5, 1000, 512), (4, 3001, 1024)])
+def test_cluster_cross_entropy_matches_float64(m, v, cols_per_cta):
+    """Loss and gradient (written over the logits, scaled by an upstream gradient that is not 1),
+    ignored rows included, against float64 ``F.cross_entropy``; the interpreter runs the kernel's
+    arithmetic (one program a row: it ignores ``num_ctas``)."""
+    benchmark_script("wide_rows")
+    cluster_rows = sys.modules["cluster_rows"]
+    torch.manual_seed(m * v)
+    logits = torch.randn(m, v, dtype=torch.float64) * 3
+    target = torch.randint(0, v, (m,))
+    target[1] = -100
+    ref = logits.clone().requires_grad_()
+    (F.cross_entropy(ref, target) * 0.7).backward()
+    buffer = logits.float().requires_grad_()
+    loss = cluster_rows.cross_entropy_inplace_cluster(buffer, target, cluster_rows.ClusterRows(cols_per_cta))
+    (loss * 0.7).backward()
+    torch.testing.assert_close(loss.double(), F.cross_entropy(logits, target), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(buffer.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
+    assert buffer.grad[1].abs().max() == 0

@@ -1,6 +1,6 @@
 """Candidates for wide rows on Hopper, measured by ``benchmarks/wide_rows.py`` before they may become
-strategies of the library: a row a thread-block cluster, for the norms' forward and for
-cross-entropy with its gradient written over the logits.
+strategies of the library: a row a thread-block cluster, for the norms' forward and backward and
+for cross-entropy with its gradient written over the logits.
 
 One program a row, the whole row one ``[1, BLOCK_N]`` tile, launched with ``num_ctas`` = the
 columns over ``cols_per_cta``: Triton spreads the tile over the cluster's CTAs (each loads its
@@ -10,6 +10,9 @@ the shape of Quack's forward (a row a cluster of 2-8 CTAs, 16384 columns each): 
 flight per SM without a global-memory exchange. Cross-entropy's row (a vocabulary of 32K-256K)
 is read once the same way: its max, its sum of exponentials and its target's logit are reductions
 across the cluster, after which each CTA writes the gradient of the mean loss over its own columns.
+The norms' backward is persistent instead: a program a cluster the GPU holds at once, looping over
+rows (a row's two dot products reduced across the cluster, as the forward's statistics) and
+keeping its columns' dW (and dB) sums in registers, written once as a partial per program.
 
 Triton compiles a reduction across a cluster's CTAs from 3.7 on; 3.6 refuses it at compile time
 ("Layout has 4 CTAs per CGA, but the context requires 2"), so on 3.6 a row wider than
@@ -26,16 +29,18 @@ import torch
 from llmkernels.ops._launch import INTERPRET
 from llmkernels.ops._triton import tl, triton
 from llmkernels.ops.losses.base import count_rows, finish_loss, scale_rows_
-from llmkernels.ops.norm.tile import shifted_var, sum_pair
+from llmkernels.ops.norm.tile import dy_terms, shifted_var, sum_pair, tile_x_hat
 
 CLUSTER_REDUCE_TRITON = (3, 7)  # the first Triton that compiles a reduction across a cluster's CTAs
 
 
 class ClusterRows(NamedTuple):
-    """A row over a cluster of ``next_pow2(N) / cols_per_cta`` CTAs (at least one), 8 warps each."""
+    """A row over a cluster of ``next_pow2(N) / cols_per_cta`` CTAs (at least one) of ``num_warps``;
+    the backward's persistent programs sized for ``per_sm`` CTAs an SM."""
 
     cols_per_cta: int
     num_warps: int = 8
+    per_sm: int = 1
 
 
 @triton.jit
@@ -71,6 +76,37 @@ def ln_fwd_cluster_kernel(X, W, B, Y, MEAN, RSTD, N, stride_x, stride_y, eps, BL
     tl.store(RSTD + row + tl.arange(0, 1), rstd)
     y = (xs - mean_shifted[:, None]) * rstd[:, None] * w.to(tl.float32) + b.to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_bwd_cluster_kernel(X, W, DY, DX, DW_PART, DB_PART, MEAN, RSTD, M, N, stride_x, stride_dy, stride_dx,
+                            IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx of rows ``program_id``, ``program_id + programs``, ... and this program's partial dW
+    (LayerNorm: and dB) over them, each row a ``[1, BLOCK_N]`` tile over the cluster whose dot
+    products (LayerNorm's two as one pair) are reduced across its CTAs; the terms are the
+    library's (``dy_terms``: RMSNorm's dW from Llama's rounded x_hat)."""
+    prog = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for r in range(prog, M, tl.num_programs(0)):
+        rows = tl.arange(0, 1).to(tl.int64) + r
+        x = tl.load(X + rows[:, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x_hat, rstd = tile_x_hat(x, rows, rows < M, mask, MEAN, RSTD, IS_RMS)
+        wdy, dw_acc, db_acc = dy_terms(x_hat, dy, w, dw_acc, db_acc, X.dtype.element_ty, True, not IS_RMS, IS_RMS)
+        if IS_RMS:
+            dx = wdy - x_hat * (tl.sum(x_hat * wdy, axis=1) / N)[:, None]
+        else:
+            sum_xw, sum_w = sum_pair(x_hat * wdy, wdy, 1)
+            dx = wdy - x_hat * (sum_xw / N)[:, None] - (sum_w / N)[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols, (dx * rstd[:, None]).to(DX.dtype.element_ty), mask=mask)
+    part = prog.to(tl.int64) * N + cols
+    tl.store(DW_PART + part, dw_acc, mask=mask)
+    if not IS_RMS:
+        tl.store(DB_PART + part, db_acc, mask=mask)
 
 
 @triton.jit
@@ -130,21 +166,61 @@ def _stat(rows: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
 
 
+def _programs(rows: torch.Tensor, num_ctas: int, per_sm: int) -> int:
+    """The backward's persistent programs: one a cluster of CTAs that the GPU holds at once
+    (``per_sm`` CTAs an SM), so that the dW partials stay few; two under the interpreter, to test
+    the loop."""
+    if rows.device.type != "cuda":
+        return max(1, min(rows.shape[0], 2))
+    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
+    return max(1, min(rows.shape[0], sms * per_sm // num_ctas))
+
+
+class _ClusterNorm(torch.autograd.Function):
+    """RMSNorm (``bias`` None) or LayerNorm, forward and backward a row a cluster."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, config):
+        rows = _rows(x, weight, *([] if bias is None else [bias]))
+        y, rstd = torch.empty_like(rows), _stat(rows)
+        if bias is None:
+            mean = None
+            _launch(rms_fwd_cluster_kernel, rows, y, (rows, weight, y, rstd), eps, config)
+        else:
+            mean = _stat(rows)
+            _launch(ln_fwd_cluster_kernel, rows, y, (rows, weight, bias, y, mean, rstd), eps, config)
+        ctx.save_for_backward(rows, weight, mean, rstd)
+        ctx.config, ctx.shape = config, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, mean, rstd = ctx.saved_tensors
+        m, n = rows.shape
+        dy = dy.reshape(m, n)
+        if dy.stride(1) != 1:
+            dy = dy.contiguous()
+        dx = torch.empty_like(rows)
+        options = _cluster(n, ctx.config)
+        programs = _programs(rows, options["num_ctas"], ctx.config.per_sm)
+        dw_part = torch.empty(programs, n, device=rows.device, dtype=torch.float32)
+        db_part = dw_part if mean is None else torch.empty_like(dw_part)
+        norm_bwd_cluster_kernel[(programs,)](rows, weight, dy, dx, dw_part, db_part, rstd if mean is None else mean,
+                                             rstd, m, n, rows.stride(0), dy.stride(0), dx.stride(0),
+                                             IS_RMS=mean is None, BLOCK_N=options.pop("block"), **options)
+        db = None if mean is None else db_part.sum(0).to(weight.dtype)
+        return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), db, None, None
+
+
 def rms_norm_cluster(x: torch.Tensor, weight: torch.Tensor, eps: float, config: ClusterRows) -> torch.Tensor:
-    """RMSNorm of ``x [..., N]`` by ``weight [N]``, a row a cluster."""
-    rows = _rows(x, weight)
-    y = torch.empty_like(rows)
-    _launch(rms_fwd_cluster_kernel, rows, y, (rows, weight, y, _stat(rows)), eps, config)
-    return y.view(x.shape)
+    """RMSNorm of ``x [..., N]`` by ``weight [N]``, a row a cluster (differentiable)."""
+    return _ClusterNorm.apply(x, weight, None, eps, config)
 
 
 def layer_norm_cluster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                        config: ClusterRows) -> torch.Tensor:
-    """LayerNorm of ``x [..., N]`` by ``weight [N]`` and ``bias [N]``, a row a cluster."""
-    rows = _rows(x, weight, bias)
-    y = torch.empty_like(rows)
-    _launch(ln_fwd_cluster_kernel, rows, y, (rows, weight, bias, y, _stat(rows), _stat(rows)), eps, config)
-    return y.view(x.shape)
+    """LayerNorm of ``x [..., N]`` by ``weight [N]`` and ``bias [N]``, a row a cluster (differentiable)."""
+    return _ClusterNorm.apply(x, weight, bias, eps, config)
 
 
 IGNORE_INDEX = -100

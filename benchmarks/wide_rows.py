@@ -5,8 +5,8 @@ vocabularies, against the library's own in-place path and Liger.
 Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
 today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
 writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is
-each of the benchmark's own candidates (``EXPERIMENTS``: the norms' forward and cross-entropy a
-row a thread-block cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside the
+each of the benchmark's own candidates (``EXPERIMENTS``: the norms and cross-entropy a row a
+thread-block cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside the
 peers where they are installed, at rows of 32K-128K columns and ragged ones (both norms' forward
 and backward) and at vocabularies of 32K-256K (cross-entropy's forward and backward in one pass,
 ``cross-entropy-inplace``). Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, 2 GiB of logits, the
@@ -79,20 +79,37 @@ PARTS = {"rmsnorm-fwd": Part("rmsnorm", "fwd"), "rmsnorm-bwd": Part("rmsnorm", "
 
 class Experiment(NamedTuple):
     """A candidate that is not (yet) a strategy of the library: ``call(*inputs, config=...)``
-    under each of ``configs`` (by name); ``in_place``: it forms the gradient in the forward, over
-    its input."""
+    under each of ``configs`` (by name); ``backward``: its backward is measured; ``in_place``: it
+    forms the gradient in the forward, over its input."""
 
     call: Callable
     configs: dict
+    backward: bool = False
     in_place: bool = False
+
+    def provider(self, config) -> Provider:
+        return Provider(functools.partial(_experiment, self.call, config), backward=self.backward or self.in_place,
+                        mutates=self.in_place)
+
+
+def _rms_cluster(x, weight, *, config):
+    return rms_norm_cluster(x, weight, RMS_EPS, config)
+
+
+def _ln_cluster(x, weight, bias, *, config):
+    return layer_norm_cluster(x, weight, bias, LN_EPS, config)
 
 
 CLUSTERS = {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}
+# (the backward holds x, dy, w and the dW / dB sums: 8192 columns a CTA of 8 warps is the most
+# without spilling on sm_90, 173 registers for RMSNorm and 243 for LayerNorm; 4096 of 4 warps,
+# 167 and 246, leaves room for two CTAs an SM, up to 64K columns in a cluster of 16)
+BWD_CLUSTERS = {"cluster 8192": ClusterRows(8192), "cluster 4096": ClusterRows(4096, 4, per_sm=2)}
 EXPERIMENTS = {
-    "rmsnorm-fwd": Experiment(lambda x, weight, bias=None, *, config: rms_norm_cluster(x, weight, RMS_EPS, config),
-                              CLUSTERS),
-    "layernorm-fwd": Experiment(lambda x, weight, bias, *, config: layer_norm_cluster(x, weight, bias, LN_EPS, config),
-                                CLUSTERS),
+    "rmsnorm-fwd": Experiment(_rms_cluster, CLUSTERS),
+    "layernorm-fwd": Experiment(_ln_cluster, CLUSTERS),
+    "rmsnorm-bwd": Experiment(_rms_cluster, BWD_CLUSTERS, backward=True),
+    "layernorm-bwd": Experiment(_ln_cluster, BWD_CLUSTERS, backward=True),
     # (a 256K row over 8 CTAs of 16 warps, or over 16 CTAs, past the 8 a cluster is guaranteed)
     "cross-entropy-inplace": Experiment(cross_entropy_inplace_cluster,
                                         {"cluster 16384": ClusterRows(16384), "cluster 32768": ClusterRows(32768, 16)},
@@ -153,8 +170,7 @@ def part_op(part: str, tiny: bool, choice: Choice = Choice()):
     providers = {s: Provider(functools.partial(_strategy, spec.op == "rmsnorm", backward, s)) for s in chosen}
     if part in EXPERIMENTS:
         exp = EXPERIMENTS[part]
-        providers.update((s, Provider(functools.partial(_experiment, exp.call, config), backward=exp.in_place,
-                                      mutates=exp.in_place)) for s, config in exp.configs.items() if choice(s))
+        providers.update((s, exp.provider(config)) for s, config in exp.configs.items() if choice(s))
     providers.update((p, op.providers[p]) for p in spec.beside if p in op.providers)
     return dataclasses.replace(op, providers=providers, small_shapes=spec.tiny if tiny else op.small_shapes)
 

@@ -1,7 +1,7 @@
 """benchmarks/wide_rows.py --tiny on CPU: every wide-row strategy passes the bench's float64 check,
 and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
-names; a spent time budget starts no width. The cluster candidate of cross-entropy against a
-float64 reference."""
+names; a spent time budget starts no width. The cluster candidates of the norms' backward and of
+cross-entropy against float64 references."""
 import json
 import sys
 
@@ -27,7 +27,7 @@ def test_every_strategy_is_checked_and_written(tmp_path):
         assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.experiments(part))
         assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
     assert found["layernorm-bwd"]["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
-    assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8)"
+    assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8, per_sm=1)"
     table = (tmp_path / "wide_rows.md").read_text()
     assert "## layernorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table and "| cluster 16384 | ok |" in table
 
@@ -115,3 +115,33 @@ def test_cluster_cross_entropy_matches_float64(m, v, cols_per_cta):
     torch.testing.assert_close(loss.double(), F.cross_entropy(logits, target), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(buffer.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
     assert buffer.grad[1].abs().max() == 0
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_cluster_norm_backward_matches_float64(is_rms):
+    """dx, dW (and dB) of rows sliced out of a wider buffer, more rows than the interpreter's two
+    programs (each loops over its rows and sums its dW partials), upstream gradients not 1."""
+    benchmark_script("wide_rows")
+    cluster_rows = sys.modules["cluster_rows"]
+    torch.manual_seed(7)
+    m, n = 5, 1000
+    wide = torch.randn(m, n + 24, dtype=torch.float64) * 2 + 0.5
+    weight = torch.rand(n, dtype=torch.float64) + 0.5
+    bias = None if is_rms else torch.randn(n, dtype=torch.float64)
+    dy = torch.randn(m, n, dtype=torch.float64)
+    inputs = [t.requires_grad_() for t in (wide[:, :n], weight, bias) if t is not None]
+    if is_rms:
+        def reference(x, weight):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    else:
+        def reference(x, weight, bias):
+            return F.layer_norm(x, (n,), weight, bias, 1e-5)
+    expected = torch.autograd.grad(reference(*inputs), inputs, dy)
+    ours = [wide.float()[:, :n].requires_grad_(), *(t.detach().float().requires_grad_() for t in inputs[1:])]
+    assert ours[0].stride() == (n + 24, 1)
+    config = cluster_rows.ClusterRows(256)
+    y = (cluster_rows.rms_norm_cluster(ours[0], ours[1], 1e-6, config) if is_rms
+         else cluster_rows.layer_norm_cluster(*ours, 1e-5, config))
+    torch.testing.assert_close(y.double(), reference(*inputs), rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(y, ours, dy.float()), expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

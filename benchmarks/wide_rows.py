@@ -2,19 +2,19 @@
 ceiling and Quack; and cross-entropy with its gradient written over the logits at large
 vocabularies, against the library's own in-place path and Liger.
 
-Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice,
-today's paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and
-writing y two rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is
-each of the benchmark's own candidates (``EXPERIMENTS``: the norms and cross-entropy a row a
-thread-block cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside the
-peers where they are installed, at rows of 32K-128K columns and ragged ones (both norms' forward
-and backward) and at vocabularies of 32K-256K (cross-entropy's forward and backward in one pass,
-``cross-entropy-inplace``). Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, 2 GiB of logits, the
-float64 check of every provider, GPU time from CUDA-graph replay under
-``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails
-to compile, launch or check is a record with its error, not the end of the run; one that kills
-the CUDA context ends the process, so ``--skip`` / ``--only`` choose strategies by words of
-their names (the providers a part names beside them always run) and the records are written after each width.
+Every named strategy of ``llmkernels.tune.spaces.wide_row_candidates`` (the tables' choice, today's
+paths, and the candidates: the pipelined split reading x through TMA, ``tma``, and writing y two
+rows behind the row it loads, ``lag``) is a provider of the bench's op, and so is each of the
+benchmark's own candidates (``EXPERIMENTS``: the norms and cross-entropy a row a thread-block
+cluster, ``cluster_rows.py``, which needs Triton 3.7 or newer), beside the peers where they are
+installed, at rows of 32K-128K columns and ragged ones (both norms' forward and backward) and at
+vocabularies of 32K-256K (cross-entropy's forward and backward in one pass,
+``cross-entropy-inplace``). Through ``llmkernels.bench`` (bf16, 256 MiB a tensor, 2 GiB of logits,
+the float64 check of every provider, GPU time from CUDA-graph replay under
+``triton.testing.do_bench``, the copy bandwidth measured before each part). A strategy that fails to
+compile, launch or check is a record with its error, not the end of the run; one that kills the CUDA
+context ends the process, so ``--skip`` / ``--only`` choose strategies by words of their names (the
+providers a part names beside them always run) and the records are written after each width.
 
 Writes ``<out>/wide_rows.json`` (``{"header": {device, date, versions, command, copy_gbps of
 each part}, "records": [{"part", "n", "provider", "config", "pct_copy", "us", "status", "note"},
@@ -26,7 +26,7 @@ a run cut short keeps what it measured; past ``--budget-s`` no new width starts.
     python benchmarks/wide_rows.py --widths 32768,131072 --out $OUT                # every part, two widths
     python benchmarks/wide_rows.py --parts rmsnorm-fwd --skip tma --out $OUT       # all but the TMA candidates
     python benchmarks/wide_rows.py --parts rmsnorm-fwd --only tma,table --out $OUT # those and the tables' choice
-    python benchmarks/wide_rows.py --parts cross-entropy-inplace --out $OUT         # its vocabularies
+    python benchmarks/wide_rows.py --parts cross-entropy-inplace --out $OUT        # its vocabularies
     TRITON_INTERPRET=1 python benchmarks/wide_rows.py --tiny --out /tmp/wide   # CPU: the checks only
 """
 from __future__ import annotations

@@ -41,6 +41,7 @@ class ClusterRows(NamedTuple):
     cols_per_cta: int
     num_warps: int = 8
     per_sm: int = 1
+    prefetch: bool = False  # the backward: the next row's loads issued before this row's reductions
 
 
 @triton.jit
@@ -79,22 +80,40 @@ def ln_fwd_cluster_kernel(X, W, B, Y, MEAN, RSTD, N, stride_x, stride_y, eps, BL
 
 
 @triton.jit
+def _row_x_dy(X, DY, r, M, cols, mask, stride_x, stride_dy):
+    """Row ``r``'s x and dy as loaded (nothing past the last row): [1, BLOCK_N] each."""
+    rows = tl.arange(0, 1).to(tl.int64) + r
+    valid = mask & (rows < M)[:, None]
+    return (tl.load(X + rows[:, None] * stride_x + cols, mask=valid, other=0.0),
+            tl.load(DY + rows[:, None] * stride_dy + cols, mask=valid, other=0.0))
+
+
+@triton.jit
 def norm_bwd_cluster_kernel(X, W, DY, DX, DW_PART, DB_PART, MEAN, RSTD, M, N, stride_x, stride_dy, stride_dx,
-                            IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+                            IS_RMS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of rows ``program_id``, ``program_id + programs``, ... and this program's partial dW
     (LayerNorm: and dB) over them, each row a ``[1, BLOCK_N]`` tile over the cluster whose dot
     products (LayerNorm's two as one pair) are reduced across its CTAs; the terms are the
-    library's (``dy_terms``: RMSNorm's dW from Llama's rounded x_hat)."""
+    library's (``dy_terms``: RMSNorm's dW from Llama's rounded x_hat). ``PREFETCH``: the next
+    row's loads are issued before this row's reductions, so that a row's reads are in flight
+    while the cluster waits on the last one's."""
     prog = tl.program_id(0)
+    step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for r in range(prog, M, tl.num_programs(0)):
+    if PREFETCH:
+        x_next, dy_next = _row_x_dy(X, DY, prog, M, cols, mask, stride_x, stride_dy)
+    for r in range(prog, M, step):
         rows = tl.arange(0, 1).to(tl.int64) + r
-        x = tl.load(X + rows[:, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _row_x_dy(X, DY, r + step, M, cols, mask, stride_x, stride_dy)
+        else:
+            x, dy = _row_x_dy(X, DY, r, M, cols, mask, stride_x, stride_dy)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
         x_hat, rstd = tile_x_hat(x, rows, rows < M, mask, MEAN, RSTD, IS_RMS)
         wdy, dw_acc, db_acc = dy_terms(x_hat, dy, w, dw_acc, db_acc, X.dtype.element_ty, True, not IS_RMS, IS_RMS)
         if IS_RMS:
@@ -207,7 +226,8 @@ class _ClusterNorm(torch.autograd.Function):
         db_part = dw_part if mean is None else torch.empty_like(dw_part)
         norm_bwd_cluster_kernel[(programs,)](rows, weight, dy, dx, dw_part, db_part, rstd if mean is None else mean,
                                              rstd, m, n, rows.stride(0), dy.stride(0), dx.stride(0),
-                                             IS_RMS=mean is None, BLOCK_N=options.pop("block"), **options)
+                                             IS_RMS=mean is None, PREFETCH=ctx.config.prefetch,
+                                             BLOCK_N=options.pop("block"), **options)
         db = None if mean is None else db_part.sum(0).to(weight.dtype)
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), db, None, None
 

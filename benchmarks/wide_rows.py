@@ -102,9 +102,11 @@ def _ln_cluster(x, weight, bias, *, config):
 
 CLUSTERS = {"cluster 16384": ClusterRows(16384), "cluster 8192": ClusterRows(8192)}
 # (the backward holds x, dy, w and the dW / dB sums: 8192 columns a CTA of 8 warps is the most
-# without spilling on sm_90, 173 registers for RMSNorm and 243 for LayerNorm; 4096 of 4 warps,
-# 167 and 246, leaves room for two CTAs an SM, up to 64K columns in a cluster of 16)
-BWD_CLUSTERS = {"cluster 8192": ClusterRows(8192), "cluster 4096": ClusterRows(4096, 4, per_sm=2)}
+# without spilling on sm_90, 173 registers for RMSNorm and 243 for LayerNorm, 233 and 249 with the
+# next row's loads in flight; 4096 of 4 warps, as many registers a thread, leaves room for two
+# CTAs an SM, up to 64K columns in a cluster of 16)
+BWD_CLUSTERS = {"cluster 8192": ClusterRows(8192), "cluster 8192 prefetch": ClusterRows(8192, prefetch=True),
+                "cluster 4096 prefetch": ClusterRows(4096, 4, per_sm=2, prefetch=True)}
 EXPERIMENTS = {
     "rmsnorm-fwd": Experiment(_rms_cluster, CLUSTERS),
     "layernorm-fwd": Experiment(_ln_cluster, CLUSTERS),

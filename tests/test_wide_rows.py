@@ -27,7 +27,7 @@ def test_every_strategy_is_checked_and_written(tmp_path):
         assert set(records) == set(wide_row_candidates(n, backward)) | set(wide_rows.experiments(part))
         assert all(r["status"] == "ok" and r["n"] == n for r in records.values()), records
     assert found["layernorm-bwd"]["split 8192x8 s3"]["config"].startswith("SplitBwdConfig(")
-    assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8, per_sm=1)"
+    assert found["layernorm-fwd"]["cluster 8192"]["config"] == "ClusterRows(cols_per_cta=8192, num_warps=8, per_sm=1, prefetch=False)"
     table = (tmp_path / "wide_rows.md").read_text()
     assert "## layernorm-fwd" in table and "| split 4096x4 s3 tma lag2 | ok |" in table and "| cluster 16384 | ok |" in table
 
@@ -117,10 +117,11 @@ def test_cluster_cross_entropy_matches_float64(m, v, cols_per_cta):
     assert buffer.grad[1].abs().max() == 0
 
 
-@pytest.mark.parametrize("is_rms", [True, False])
-def test_cluster_norm_backward_matches_float64(is_rms):
+@pytest.mark.parametrize("is_rms,prefetch", [(True, False), (False, False), (True, True), (False, True)])
+def test_cluster_norm_backward_matches_float64(is_rms, prefetch):
     """dx, dW (and dB) of rows sliced out of a wider buffer, more rows than the interpreter's two
-    programs (each loops over its rows and sums its dW partials), upstream gradients not 1."""
+    programs (each loops over its rows, with or without the next row's loads ahead, and sums its
+    dW partials), upstream gradients not 1."""
     benchmark_script("wide_rows")
     cluster_rows = sys.modules["cluster_rows"]
     torch.manual_seed(7)
@@ -139,7 +140,7 @@ def test_cluster_norm_backward_matches_float64(is_rms):
     expected = torch.autograd.grad(reference(*inputs), inputs, dy)
     ours = [wide.float()[:, :n].requires_grad_(), *(t.detach().float().requires_grad_() for t in inputs[1:])]
     assert ours[0].stride() == (n + 24, 1)
-    config = cluster_rows.ClusterRows(256)
+    config = cluster_rows.ClusterRows(256, prefetch=prefetch)
     y = (cluster_rows.rms_norm_cluster(ours[0], ours[1], 1e-6, config) if is_rms
          else cluster_rows.layer_norm_cluster(*ours, 1e-5, config))
     torch.testing.assert_close(y.double(), reference(*inputs), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,11 @@ its own model, graph and CUDA stream, their steps replayed side by side; the tok
 together (wall time over the replays, the GPU synchronised at both ends) and per run, so that the
 gain of running several at once is measured per shape rather than assumed.
 
+``--attention cudnn`` (or ``flash``, ``efficient``): every run held to that backend of
+``F.scaled_dot_product_attention`` instead of PyTorch's choice (the sweep's), so that the step's
+MFU can be compared across attention kernels; a backend that cannot take the model's inputs fails
+loudly.
+
 ``--profile``: where a step's GPU time goes instead, for each shape and batch: the kernels of a few
 eager steps of the kernels backend (the same kernels the graph replays) under ``torch.profiler``,
 summed by family (matrix products, attention, norms, RoPE, SwiGLU, head + loss, optimizer and
@@ -21,8 +26,10 @@ clip, casts and copies, the rest) and the ten costliest kernels; ``$OUT/scaling_
     python benchmarks/scaling_check.py --shapes 8x512 --batches 256 --vocab 8192 --seq-len 256
     python benchmarks/scaling_check.py --profile --shapes 4x256,6x384 --batches 64,256
     python benchmarks/scaling_check.py --at-once 1,3,6 --shapes 7x128,5x192,10x384 --batches 64
+    python benchmarks/scaling_check.py --shapes 8x320,10x384 --batches 64 --eager "" --attention cudnn
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -33,6 +40,18 @@ import torch
 from llmkernels.scaling.model import GPT
 from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder, peak_flops
 from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, set_deterministic
+
+# --attention: the SDPBackend each name holds the runs to (None: PyTorch's own choice)
+ATTENTION = {"default": None, "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+             "efficient": "EFFICIENT_ATTENTION"}
+
+
+def attention_backend(name: str):
+    """A context that holds ``F.scaled_dot_product_attention`` to the backend ``name`` (of ``ATTENTION``)."""
+    if ATTENTION[name] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, ATTENTION[name])])
 
 
 def make_stepper(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor, *, backend: str = "kernels",
@@ -108,12 +127,14 @@ def at_once_main(args, name: str, tokens: torch.Tensor):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_at_once.json"), "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "rows": rows}, f, indent=1)
+                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows}, f,
+                      indent=1)
 
 
-# Kernel families by name (first match): cuBLAS / CUTLASS products, FlashAttention, llmkernels' Triton
-# kernels by their function names, the fused AdamW and the clip's norms, elementwise copies and casts.
-FAMILIES = (("matmul", r"gemm|cutlass|xmma|nvjet|sm\d+_.*(mma|tensorop)"), ("attention", r"flash|fmha|attention"),
+# Kernel families by name (first match): FlashAttention (before the products: its names carry
+# CUTLASS types), cuBLAS / CUTLASS products, llmkernels' Triton kernels by their function names,
+# the fused AdamW and the clip's norms, elementwise copies and casts.
+FAMILIES = (("attention", r"flash|fmha|attention"), ("matmul", r"gemm|cutlass|xmma|nvjet|sm\d+_.*(mma|tensorop)"),
             ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"), ("glu", r"glu"),
             ("head + loss", r"(^|_)ce_|finish_kernel|scale_rows"), ("embedding", r"embedding|grad_weight|sort"),
             ("optimizer + clip", r"adam|multi_tensor|foreach|lpnorm|reduce_kernel"),
@@ -179,7 +200,14 @@ def main():
                    help="the sweep's model, with QK-norm (default: on, as the sweep)")
     p.add_argument("--nondeterministic", action="store_true",
                    help="PyTorch's default kernels (the sweep trains with deterministic ones unless told otherwise)")
+    p.add_argument("--attention", choices=list(ATTENTION), default="default",
+                   help="hold attention to this SDPA backend (default: PyTorch's choice, as the sweep)")
     args = p.parse_args()
+    with attention_backend(args.attention):
+        return run(args)
+
+
+def run(args):
     set_deterministic(not args.nondeterministic)
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}")
@@ -219,7 +247,8 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_check.json"), "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "rows": rows, "agreement": checks}, f, indent=1)
+                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows,
+                       "agreement": checks}, f, indent=1)
 
 
 def profile_main(args, name: str, tokens: torch.Tensor):
@@ -234,7 +263,8 @@ def profile_main(args, name: str, tokens: torch.Tensor):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_profile.json"), "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "rows": rows}, f, indent=1)
+                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

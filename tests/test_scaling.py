@@ -768,6 +768,8 @@ def test_step_profile_sorts_kernels_into_families():
     check = benchmark_script("scaling_check")
     names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
              "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul", "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+             "cutlass::bfloat16_t, Flash_kernel_traits": "attention",
              "norm_fwd_kernel": "norm", "norm_bwd_split_kernel": "norm", "_rope_kernel": "rope", "_glu_bwd_kernel": "glu",
              "ce_fused_split_kernel": "head + loss", "void at::native::reduce_kernel<512, 1>": "optimizer + clip",
              "void at::native::(anonymous namespace)::fused_adamw_kernel": "optimizer + clip",
@@ -775,3 +777,15 @@ def test_step_profile_sorts_kernels_into_families():
              "void at::native::vectorized_elementwise_kernel<4, CopyFunctor>": "elementwise (copies, casts, fills)",
              "some_new_kernel": "other"}
     assert {k: check.family(k) for k in names} == names
+
+
+def test_attention_is_held_to_the_backend_asked():
+    """--attention holds F.scaled_dot_product_attention to one backend (here on a CPU, where
+    cuDNN's cannot run, so the call fails instead of taking another); default leaves PyTorch's choice."""
+    check = benchmark_script("scaling_check")
+    q = torch.randn(1, 2, 4, 8)
+    with check.attention_backend("default"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with check.attention_backend("cudnn"), pytest.raises(RuntimeError):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)  # (the hold ends with the context)

@@ -168,17 +168,16 @@ def _rows(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _cluster(n: int, config: ClusterRows) -> dict:
-    """The launch options of a row of ``n`` a program: its tile and the CTAs of its cluster."""
+def _cluster(n: int, config: ClusterRows) -> tuple[int, dict]:
+    """A row of ``n`` a program: its tile's width and the launch options (warps, CTAs of its cluster)."""
     block = triton.next_power_of_2(n)
-    return {"num_warps": config.num_warps, "num_ctas": max(1, block // config.cols_per_cta), "block": block}
+    return block, {"num_warps": config.num_warps, "num_ctas": max(1, block // config.cols_per_cta)}
 
 
 def _launch(kernel, rows: torch.Tensor, y: torch.Tensor, pointers: tuple, eps: float, config: ClusterRows) -> None:
     """``kernel`` a row a program, over a cluster of ``next_pow2(N) / cols_per_cta`` CTAs."""
-    options = _cluster(rows.shape[1], config)
-    kernel[(rows.shape[0],)](*pointers, rows.shape[1], rows.stride(0), y.stride(0), eps, BLOCK_N=options.pop("block"),
-                             **options)
+    block, options = _cluster(rows.shape[1], config)
+    kernel[(rows.shape[0],)](*pointers, rows.shape[1], rows.stride(0), y.stride(0), eps, BLOCK_N=block, **options)
 
 
 def _stat(rows: torch.Tensor) -> torch.Tensor:
@@ -220,14 +219,14 @@ class _ClusterNorm(torch.autograd.Function):
         if dy.stride(1) != 1:
             dy = dy.contiguous()
         dx = torch.empty_like(rows)
-        options = _cluster(n, ctx.config)
+        block, options = _cluster(n, ctx.config)
         programs = _programs(rows, options["num_ctas"], ctx.config.per_sm)
         dw_part = torch.empty(programs, n, device=rows.device, dtype=torch.float32)
         db_part = dw_part if mean is None else torch.empty_like(dw_part)
         norm_bwd_cluster_kernel[(programs,)](rows, weight, dy, dx, dw_part, db_part, rstd if mean is None else mean,
                                              rstd, m, n, rows.stride(0), dy.stride(0), dx.stride(0),
                                              IS_RMS=mean is None, PREFETCH=ctx.config.prefetch,
-                                             BLOCK_N=options.pop("block"), **options)
+                                             BLOCK_N=block, **options)
         db = None if mean is None else db_part.sum(0).to(weight.dtype)
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), db, None, None
 
@@ -254,9 +253,9 @@ class _ClusterCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, config):
         count = count_rows(target, IGNORE_INDEX)
         loss_rows = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
-        options = _cluster(logits.shape[1], config)
+        block, options = _cluster(logits.shape[1], config)
         ce_inplace_cluster_kernel[(logits.shape[0],)](logits, target, loss_rows, count, logits.shape[1],
-                                                       logits.stride(0), IGNORE_INDEX, BLOCK_V=options.pop("block"),
+                                                       logits.stride(0), IGNORE_INDEX, BLOCK_V=block,
                                                        **options)
         ctx.save_for_backward(logits)
         loss, _, _ = finish_loss(loss_rows, None, target, ignore_index=IGNORE_INDEX, reduction="mean", want_z=False,

@@ -54,6 +54,12 @@ def attention_backend(name: str):
     return sdpa_kernel([getattr(SDPBackend, ATTENTION[name])])
 
 
+def _header(args, name: str) -> dict:
+    """What every JSON this script writes says of the run: card, torch, the model's and kernels' switches."""
+    return {"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
+            "deterministic": not args.nondeterministic, "attention": args.attention}
+
+
 def make_stepper(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor, *, backend: str = "kernels",
                  capture: bool = True, seed: int = 0, beside_others: bool = False) -> Stepper:
     """The sweep's training step for ``steps`` steps of a fresh ``cfg`` (initialised from ``seed``), in bf16."""
@@ -126,9 +132,7 @@ def at_once_main(args, name: str, tokens: torch.Tensor):
               + (f"{gain:>6.2f}x" if gain else ""))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_at_once.json"), "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows}, f,
-                      indent=1)
+            json.dump({**_header(args, name), "rows": rows}, f, indent=1)
 
 
 # Kernel families by name (first match): FlashAttention (before the products: its names carry
@@ -246,9 +250,7 @@ def run(args):
               f"largest gradient difference {c['max_grad_rel_err']:.2e} (relative)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_check.json"), "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows,
-                       "agreement": checks}, f, indent=1)
+            json.dump({**_header(args, name), "rows": rows, "agreement": checks}, f, indent=1)
 
 
 def profile_main(args, name: str, tokens: torch.Tensor):
@@ -262,9 +264,7 @@ def profile_main(args, name: str, tokens: torch.Tensor):
             print(f"  {k['ms']:8.3f} ms {k['share']:6.1%}  {k['family']:<16} {k['kernel']}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "scaling_profile.json"), "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
-                       "deterministic": not args.nondeterministic, "attention": args.attention, "rows": rows}, f,
-                      indent=1)
+            json.dump({**_header(args, name), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 and the JSON and markdown it writes name them; --skip / --only choose strategies by words of their
 names; a spent time budget starts no width. The cluster candidates of the norms' backward and of
 cross-entropy against float64 references."""
+import functools
 import json
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import llmkernels.reference
 from llmkernels.tune.spaces import wide_row_candidates
 from tests.conftest import INTERPRETED
 from tests.helpers import benchmark_script
@@ -131,12 +133,8 @@ def test_cluster_norm_backward_matches_float64(is_rms, prefetch):
     bias = None if is_rms else torch.randn(n, dtype=torch.float64)
     dy = torch.randn(m, n, dtype=torch.float64)
     inputs = [t.requires_grad_() for t in (wide[:, :n], weight, bias) if t is not None]
-    if is_rms:
-        def reference(x, weight):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    else:
-        def reference(x, weight, bias):
-            return F.layer_norm(x, (n,), weight, bias, 1e-5)
+    reference = functools.partial(llmkernels.reference.rms_norm if is_rms else llmkernels.reference.layer_norm,
+                                  eps=1e-6 if is_rms else 1e-5, compute_dtype=torch.float64)
     expected = torch.autograd.grad(reference(*inputs), inputs, dy)
     ours = [wide.float()[:, :n].requires_grad_(), *(t.detach().float().requires_grad_() for t in inputs[1:])]
     assert ours[0].stride() == (n + 24, 1)

@@ -13,6 +13,7 @@ _EXPORTS = {
     "layer_norm": ".ops.norm",
     "apply_rope": ".ops.rope",
     "apply_rotary_pos_emb": ".ops.rope",
+    "qk_norm_rope": ".ops.qk_norm_rope",
     "glu": ".ops.glu",
     "glu_linear": ".ops.glu",
     "cross_entropy": ".ops.losses.cross_entropy",

@@ -127,6 +127,19 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, layout="bhsd", interleaved=
     return one(q), one(k)
 
 
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, layout="bhsd", compute_dtype=torch.float32):
+    """RMSNorm of every head row of ``q`` and ``k`` (weights ``[D]``), then RoPE over all ``D``
+    features (``rotate_half``); see ``llmkernels.qk_norm_rope``. Returns ``(q_out, k_out)``
+    contiguous in q's dtype, computed in ``compute_dtype`` and rounded once."""
+    def norm(x, w):
+        x = x.to(compute_dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(compute_dtype)
+
+    q_out, k_out = apply_rope(norm(q, q_weight), norm(k, k_weight), cos, sin, layout=layout,
+                              compute_dtype=compute_dtype)
+    return q_out.to(q.dtype).contiguous(), k_out.to(q.dtype).contiguous()
+
+
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Hugging Face's ``apply_rotary_pos_emb`` formula, in the inputs' own dtypes (k may be None)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

@@ -88,6 +88,8 @@ OPS = {
     "layer_norm": lambda h, w, t, x: lk.layer_norm(x, w[0], w[1]).sum(),
     "glu": lambda h, w, t, x: lk.glu(x, x.flip(0), activation="gelu_tanh").sum(),
     "apply_rope": lambda h, w, t, x: lk.apply_rope(x.view(1, 1, 5, 16), None, h[None].cos(), h[None].sin())[0].sum(),
+    "qk_norm_rope": lambda h, w, t, x: lk.qk_norm_rope(x.view(1, 5, 1, 16), x.flip(0).view(1, 5, 1, 16), w[0], w[1],
+                                                       h.cos(), h.sin(), layout="bshd")[0].sum(),
 }
 
 

@@ -17,6 +17,9 @@ gain of running several at once is measured per shape rather than assumed.
 MFU can be compared across attention kernels; a backend that cannot take the model's inputs fails
 loudly.
 
+``--fused-qk-rope``: the model with its QK-norm and rotation in one kernel (``qk_norm_rope``), to
+compare its step with the sweep's.
+
 ``--profile``: where a step's GPU time goes instead, for each shape and batch: the kernels of a few
 eager steps of the kernels backend (the same kernels the graph replays) under ``torch.profiler``,
 summed by family (matrix products, attention, norms, RoPE, SwiGLU, head + loss, optimizer and
@@ -27,6 +30,7 @@ clip, casts and copies, the rest) and the ten costliest kernels; ``$OUT/scaling_
     python benchmarks/scaling_check.py --profile --shapes 4x256,6x384 --batches 64,256
     python benchmarks/scaling_check.py --at-once 1,3,6 --shapes 7x128,5x192,10x384 --batches 64
     python benchmarks/scaling_check.py --shapes 8x320,10x384 --batches 64 --eager "" --attention cudnn
+    python benchmarks/scaling_check.py --shapes 10x384 --batches 64 --eager "" --fused-qk-rope
 """
 import argparse
 import contextlib
@@ -56,8 +60,14 @@ def attention_backend(name: str):
 
 def _header(args, name: str) -> dict:
     """What every JSON this script writes says of the run: card, torch, the model's and kernels' switches."""
-    return {"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm,
+    return {"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm, "fused_qk_rope": args.fused_qk_rope,
             "deterministic": not args.nondeterministic, "attention": args.attention}
+
+
+def model_config(args, layers: int, width: int) -> ModelConfig:
+    """The shape ``layers x width`` with the command line's vocabulary, sequence and model switches."""
+    return ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm,
+                       fused_qk_rope=args.fused_qk_rope)
 
 
 def make_stepper(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor, *, backend: str = "kernels",
@@ -117,7 +127,7 @@ def time_at_once(cfg: ModelConfig, batch: int, runs: int, steps: int, tokens: to
 def at_once_main(args, name: str, tokens: torch.Tensor):
     rows = []
     for layers, width in parse_ladder(args.shapes):
-        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm)
+        cfg = model_config(args, layers, width)
         for batch in (int(b) for b in args.batches.split(",")):
             for runs in (int(k) for k in args.at_once.split(",")):
                 rows.append(time_at_once(cfg, batch, runs, args.steps, tokens))
@@ -139,7 +149,7 @@ def at_once_main(args, name: str, tokens: torch.Tensor):
 # CUTLASS types), cuBLAS / CUTLASS products, llmkernels' Triton kernels by their function names,
 # the fused AdamW and the clip's norms, elementwise copies and casts.
 FAMILIES = (("attention", r"flash|fmha|attention"), ("matmul", r"gemm|cutlass|xmma|nvjet|sm\d+_.*(mma|tensorop)"),
-            ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"), ("glu", r"glu"),
+            ("qk-norm + rope", r"qk_norm_rope"), ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"), ("glu", r"glu"),
             ("head + loss", r"(^|_)ce_|finish_kernel|scale_rows"), ("embedding", r"embedding|grad_weight|sort"),
             ("optimizer + clip", r"adam|multi_tensor|foreach|lpnorm|reduce_kernel"),
             ("elementwise (copies, casts, fills)", r"copy|cast|elementwise|vectorized|unrolled|index|gather|fill"))
@@ -202,6 +212,8 @@ def main():
                    help="tokens/s of K runs of each shape side by side instead, each K listed (see above)")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="the sweep's model, with QK-norm (default: on, as the sweep)")
+    p.add_argument("--fused-qk-rope", action="store_true",
+                   help="the QK-norm and the rotation in one kernel (qk_norm_rope), not the sweep's two ops")
     p.add_argument("--nondeterministic", action="store_true",
                    help="PyTorch's default kernels (the sweep trains with deterministic ones unless told otherwise)")
     p.add_argument("--attention", choices=list(ATTENTION), default="default",
@@ -223,7 +235,7 @@ def run(args):
     eager = set(parse_ladder(args.eager)) if args.eager else set()
     rows = []
     for layers, width in parse_ladder(args.shapes):
-        cfg = ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm)
+        cfg = model_config(args, layers, width)
         for batch in (int(b) for b in args.batches.split(",")):
             for backend in ("kernels", "reference"):
                 rows.append(time_step(cfg, batch, backend, True, args.steps, tokens))
@@ -231,7 +243,7 @@ def run(args):
             if (layers, width) in eager:
                 rows.append(time_step(cfg, batch, "kernels", False, args.steps, tokens))
                 print(rows[-1], flush=True)
-    checks = [agreement(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm), 8)
+    checks = [agreement(model_config(args, layers, width), 8)
               for layers, width in parse_ladder(args.shapes)[:2]]
     print(f"\n{'shape':<9}{'N total':>12}{'N non-emb':>12}{'batch':>6}{'backend':>10}{'graph':>6}{'ms/step':>9}"
           f"{'tok/s':>12}{'TFLOP/s':>9}{'MFU':>7}")
@@ -254,7 +266,7 @@ def run(args):
 
 
 def profile_main(args, name: str, tokens: torch.Tensor):
-    rows = [profile_step(ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm), int(batch),
+    rows = [profile_step(model_config(args, layers, width), int(batch),
                          min(args.steps, 10), tokens)
             for layers, width in parse_ladder(args.shapes) for batch in args.batches.split(",")]
     for r in rows:

@@ -3,6 +3,7 @@ its GPU-time estimate, the data, training and resuming, and the whole pipeline a
 one process and over several training processes, cut short and resumed from its archive, the
 published CPU recipe at a smaller size (CPU; the kernels through the interpreter). The fits, the
 gate and the report: test_scaling_fits.py."""
+import dataclasses
 import email
 import json
 import math
@@ -22,6 +23,7 @@ from llmkernels import cli
 from llmkernels.scaling import data as data_mod
 from llmkernels.scaling import design as design_mod
 from llmkernels.scaling import fit, plan, report, runner, store, sweep
+from llmkernels.scaling import model as model_mod
 from llmkernels.scaling import train as train_mod
 from llmkernels.scaling.model import GPT, ops_run
 from llmkernels.scaling.plan import ModelConfig
@@ -84,6 +86,36 @@ def test_model_backends_agree_and_counts_match(device):
     # what ran is recorded: the kernels under the interpreter or on a GPU, else the fallback
     assert set(ops_run("reference", torch.device(device)).values()) == {"reference"}
     assert set(ops_run("kernels", torch.device(device)).values()) == {"kernels"}
+
+
+def test_fused_qk_rope_model_computes_the_same_function(device, monkeypatch):
+    """``fused_qk_rope`` (QK-norm and rotation in one op) leaves the decoder's function as it is:
+    in fp32, from one initialisation, the loss and every gradient equal the two-op model's on both
+    backends, the fused op called once a block. The switch stays out of a run's record while off,
+    so that the runs recorded before it keep their keys."""
+    base = ModelConfig(vocab_size=64, n_layers=2, width=32, seq_len=16, head_dim=16, qk_norm=True)
+    fused = dataclasses.replace(base, fused_qk_rope=True)
+    idx = torch.randint(0, 64, (3, 17), device=device)
+    for backend in ("kernels", "reference"):
+        calls = []
+        op = model_mod.BACKEND_OPS[backend]["qk_norm_rope"]
+        monkeypatch.setitem(model_mod.BACKEND_OPS[backend], "qk_norm_rope", lambda *a, **k: calls.append(1) or op(*a, **k))
+        runs = []
+        for cfg in (base, fused):
+            torch.manual_seed(0)
+            m = GPT(cfg, backend=backend).to(device)
+            loss = m(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            runs.append((loss.item(), dict((n, p.grad) for n, p in m.named_parameters())))
+        assert len(calls) == base.n_layers, backend
+        assert abs(runs[0][0] - runs[1][0]) < 1e-5, backend
+        for name, g in runs[0][1].items():
+            f = runs[1][1][name]
+            assert f is not None and f.norm() > 0, (backend, name)
+            assert ((f - g).norm() / g.norm()).item() < 1e-4, (backend, name)
+    assert "fused_qk_rope" not in base.to_dict() and fused.to_dict()["fused_qk_rope"] is True
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        dataclasses.replace(base, qk_norm=False, fused_qk_rope=True)
 
 
 def test_model_rejects_bad_arguments():
@@ -771,6 +803,7 @@ def test_step_profile_sorts_kernels_into_families():
              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
              "cutlass::bfloat16_t, Flash_kernel_traits": "attention",
              "norm_fwd_kernel": "norm", "norm_bwd_split_kernel": "norm", "_rope_kernel": "rope", "_glu_bwd_kernel": "glu",
+             "_qk_norm_rope_bwd": "qk-norm + rope",
              "ce_fused_split_kernel": "head + loss", "void at::native::reduce_kernel<512, 1>": "optimizer + clip",
              "void at::native::(anonymous namespace)::fused_adamw_kernel": "optimizer + clip",
              "embedding_backward_feature_kernel": "embedding",

@@ -12,7 +12,8 @@ llmkernels' Triton kernels (``FusedAddRMSNorm``, ``apply_rope``, ``glu``, ``line
 without a target check, which would synchronise, and with a fixed chunk size, so that a CUDA graph
 can hold the step); ``backend="reference"`` computes the same functions with plain PyTorch
 (``llmkernels.reference``'s norm and RoPE, Hugging Face's ``silu(gate) * up``,
-``F.cross_entropy`` on the full logits). On a CPU without Triton's
+``F.cross_entropy`` on the full logits). With ``ModelConfig.fused_qk_rope`` the QK-norm and the
+rotation are one op (``qk_norm_rope``; its reference is float32 rounded once). On a CPU without Triton's
 interpreter the kernels fall back to the reference: ``ops_run`` says what actually runs. The residual
 stream is float32; matrix products run in ``compute_dtype`` (bfloat16 on GPU).
 """
@@ -28,6 +29,7 @@ from .. import reference
 from ..modules import FusedAddRMSNorm
 from ..ops._launch import use_kernels
 from ..ops.glu import glu
+from ..ops.qk_norm_rope import qk_norm_rope
 from ..ops.losses.linear_cross_entropy import linear_cross_entropy
 from ..ops.rope import apply_rope
 from .plan import ModelConfig
@@ -87,14 +89,20 @@ def _reference_rope(q, k, cos, sin, layout):
     return reference.apply_rope(q, k, cos, sin, layout=layout)
 
 
+def _reference_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, layout):
+    return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout=layout)
+
+
 def _reference_glu(gate, up):
     """Hugging Face's LlamaMLP product, in the activations' dtype."""
     return F.silu(gate) * up
 
 
 BACKEND_OPS = {
-    "kernels": {"norm": FusedAddRMSNorm, "rope": apply_rope, "glu": glu, "loss": _kernel_loss},
-    "reference": {"norm": ReferenceAddRMSNorm, "rope": _reference_rope, "glu": _reference_glu, "loss": _reference_loss},
+    "kernels": {"norm": FusedAddRMSNorm, "rope": apply_rope, "qk_norm_rope": qk_norm_rope, "glu": glu,
+                "loss": _kernel_loss},
+    "reference": {"norm": ReferenceAddRMSNorm, "rope": _reference_rope, "qk_norm_rope": _reference_qk_norm_rope,
+                  "glu": _reference_glu, "loss": _reference_loss},
 }
 
 
@@ -103,6 +111,7 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.width
         self.n_heads, self.head_dim, self.ops = cfg.n_heads, cfg.head_dim, ops
+        self.fused_qk_rope, self.eps = cfg.fused_qk_rope, cfg.eps
         self.attn_norm = ops["norm"](d, cfg.eps)
         self.qk_norms = nn.ModuleList(ops["norm"](cfg.head_dim, cfg.eps) for _ in range(2)) if cfg.qk_norm else None
         self.qkv = nn.Linear(d, 3 * d, bias=False)
@@ -117,9 +126,13 @@ class Block(nn.Module):
         # [q, k, v] of each head side by side: the rows of q (and of k) lie 3·head_dim apart, evenly,
         # so that the QK-norm reads them in place instead of from a copy
         q, k, v = self.qkv(y).view(b, t, self.n_heads, 3, self.head_dim).unbind(3)
-        if self.qk_norms is not None:
-            q, k = (norm(h, out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
-        q, k = self.ops["rope"](q, k, cos, sin, layout="bshd")
+        if self.fused_qk_rope:
+            q, k = self.ops["qk_norm_rope"](q, k, self.qk_norms[0].weight, self.qk_norms[1].weight, cos, sin,
+                                            eps=self.eps, layout="bshd")
+        else:
+            if self.qk_norms is not None:
+                q, k = (norm(h, out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
+            q, k = self.ops["rope"](q, k, cos, sin, layout="bshd")
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = self.proj(a.transpose(1, 2).reshape(b, t, d))
         y, residual = self.mlp_norm(x, residual, out_dtype=act_dtype)

@@ -41,6 +41,9 @@ def peak_flops(device_name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
 
 
+_LATER_SWITCHES = ("qk_norm", "fused_qk_rope")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One decoder's shape: ``n_layers`` blocks of ``width`` channels in heads of ``head_dim``."""
@@ -53,6 +56,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-6
     qk_norm: bool = False
+    # the QK-norm and the rotation in one kernel (``llmkernels.qk_norm_rope``): a pass and a
+    # rounding fewer, so the numerics of another model
+    fused_qk_rope: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layers", "width", "seq_len", "head_dim"):
@@ -61,6 +67,8 @@ class ModelConfig:
         if self.width % self.head_dim or self.head_dim % 2:
             raise ValueError(f"width ({self.width}) must be a multiple of head_dim ({self.head_dim}), "
                              f"which must be even")
+        if self.fused_qk_rope and not self.qk_norm:
+            raise ValueError("fused_qk_rope fuses the QK-norm into the rotation: it needs qk_norm=True")
 
     @property
     def name(self) -> str:
@@ -94,8 +102,8 @@ class ModelConfig:
         return 6 * self.total_params() + 6 * self.n_layers * self.seq_len * self.width
 
     def to_dict(self) -> dict:
-        # without QK-norm the record omits the field, so runs recorded before it existed keep their keys
-        return {k: v for k, v in asdict(self).items() if k != "qk_norm" or v}
+        # a switch added after runs were recorded is omitted while off, so those runs keep their keys
+        return {k: v for k, v in asdict(self).items() if k not in _LATER_SWITCHES or v}
 
 
 def ladder_models(vocab_size: int, seq_len: int = SEQ_LEN, head_dim: int = HEAD_DIM, ladder=None,

@@ -174,6 +174,27 @@ def rope(d: Draw, hf: bool) -> Case:
                 bad=_common_bad(d, args, ("q", "k", "cos", "sin"), _one_bad(d, options)))
 
 
+def qk_norm_rope(d: Draw) -> Case:
+    dtype = d.dtype()
+    b, hq, s, dim = d.int(1, 3), d.int(1, 4), d.int(1, 9), 2 * d.int(1, 64)
+    hk = d.choice((1, hq, d.int(1, hq)))
+    layout = d.choice(("bhsd", "bshd"))
+    shape_of = (lambda h: (b, h, s, dim)) if layout == "bhsd" else (lambda h: (b, s, h, dim))
+    q = d.tensor(shape_of(hq), dtype, layouts=("contiguous", "sliced", "strided"))
+    k = d.tensor(shape_of(hk), dtype, layouts=("contiguous", "sliced", "strided"))
+    wdtype = d.choice((dtype, torch.float32))
+    angles = d.values(d.choice(((1, s, dim), (b, s, dim), (s, dim))), torch.float32, 3.0)
+    cdtype = d.choice((dtype, torch.float32))
+    args = dict(q=q, k=k, q_weight=d.tensor((dim,), wdtype, scale=0.5, layouts=("contiguous", "sliced")),
+                k_weight=d.tensor((dim,), wdtype, scale=0.5, layouts=("contiguous", "sliced")),
+                cos=angles.cos().to(cdtype), sin=angles.sin().to(cdtype), eps=d.choice((1e-6, 1e-5, 0.1)), layout=layout)
+    tensors = ("q", "k", "q_weight", "k_weight", "cos", "sin")
+    return Case("qk_norm_rope", args, lambda a: lk.qk_norm_rope(**a),
+                lambda a, c: reference.qk_norm_rope(**a, compute_dtype=c), ("q", "k", "q_weight", "k_weight"),
+                row_input="q", row_outputs=(0,),
+                bad=_common_bad(d, args, tensors, _one_bad(d, {"layout": "sbhd", "eps": -1.0})))
+
+
 # --------------------------------------------------------------------------------------------
 # gated MLP
 # --------------------------------------------------------------------------------------------
@@ -426,6 +447,7 @@ BUILDERS = {
     "layer_norm": lambda d: norm(d, False),
     "apply_rope": lambda d: rope(d, False),
     "apply_rotary_pos_emb": lambda d: rope(d, True),
+    "qk_norm_rope": qk_norm_rope,
     "glu": lambda d: glu(d, False),
     "glu_linear": lambda d: glu(d, True),
     "cross_entropy": cross_entropy,

@@ -185,11 +185,13 @@ class QkNormRopeConfig(NamedTuple):
 
 
 def qk_norm_rope_config(hq: int, hk: int, d: int) -> QkNormRopeConfig:
-    """About 4K elements a step (the rows of ``block_h`` heads of ``block_t`` tokens): enough
-    bytes in flight a program with the tables loaded once for every head of q and k."""
+    """About 1K elements a step (the rows of ``block_h`` heads of ``block_t`` tokens) over 4
+    warps, 8 a thread: compiled for sm_90, the backward then needs 80-90 registers at D = 64-128
+    and no stack, so several programs share a multiprocessor; a 4K tile over 8 warps needs 224-249
+    and spills at D = 64. At most 8 tokens a step: 16 tokens of one head spill too."""
     block_h = min(next_pow2(max(hq, hk)), max(1, 1024 // next_pow2(d)))
-    block_t = max(1, 4096 // (block_h * next_pow2(d)))
-    return QkNormRopeConfig(min(block_t, 16), block_h, 4 if d <= 64 else 8)
+    block_t = max(1, 1024 // (block_h * next_pow2(d)))
+    return QkNormRopeConfig(min(block_t, 8), block_h, 4)
 
 
 class QkNormRopeOptions(NamedTuple):

@@ -79,8 +79,20 @@ def test_glu_ops(name):
 
 def test_every_op_family_is_registered():
     """One bench module per family of llmkernels' public ops, each op checked on CPU too."""
-    assert set(ops()) == {*NORM_OPS, *GLU_OPS, "rope", "rope_bshd", "cross_entropy", *LINEAR_LOSS_OPS, "moe_experts"}
+    assert set(ops()) == {*NORM_OPS, *GLU_OPS, "rope", "rope_bshd", "qk_norm_rope", "cross_entropy", *LINEAR_LOSS_OPS,
+                          "moe_experts"}
     assert all(op.small_shapes and list(op.providers)[0] == "llmkernels" for op in ops().values())
+
+
+def test_qk_norm_rope_op():
+    """q [B, S, 32, 128] and k [B, S, 8, 128] (256 MiB of q in bf16): fwd reads both and writes both,
+    bwd reads the outputs' gradients and the inputs and writes the inputs' gradients."""
+    op = ops()["qk_norm_rope"]
+    assert op.shape(4096, None) == {"B": 8, "Hq": 32, "Hk": 8, "S": 4096, "D": 128}
+    shape, e = {"B": 3, "Hq": 4, "Hk": 2, "S": 10, "D": 64}, torch.bfloat16.itemsize
+    one = 3 * 10 * 6 * 64 * e
+    assert [op.min_bytes(shape, torch.bfloat16, m) for m in MODES] == [2 * one, 3 * one, 5 * one]
+    assert set(op.grad_inputs) == {"q", "k", "q_weight", "k_weight"}
 
 
 @pytest.mark.parametrize("name,heads", [("linear_cross_entropy", 1), ("linear_log_probs", 1), ("linear_distill", 2)])

@@ -14,6 +14,7 @@ _EXPORTS = {
     "apply_rope": ".ops.rope",
     "apply_rotary_pos_emb": ".ops.rope",
     "qk_norm_rope": ".ops.qk_norm_rope",
+    "qkv_norm_rope": ".ops.qk_norm_rope",
     "glu": ".ops.glu",
     "glu_linear": ".ops.glu",
     "cross_entropy": ".ops.losses.cross_entropy",

@@ -114,6 +114,29 @@ def test_more_token_blocks_than_backward_programs():
         assert_close(g_, w, torch.float32, f"{name} with small tiles")
 
 
+@pytest.mark.parametrize("use_v", [True, False])
+def test_qkv_form_is_the_op_with_one_gradient_buffer(use_v):
+    """qkv_norm_rope of a fused ``[B, S, H, 3, D]``: the outputs and every gradient bitwise those
+    of qk_norm_rope of ``qkv.unbind(3)`` (the same kernels), v a view of qkv, and its backward
+    node its own (the three gradients in one buffer); an unused v gets a zero gradient."""
+    leaves, _, (wq, wk), cos, sin = _leaves(2, 6, 3, 3, 16, torch.bfloat16, "bshd", fused_qkv=True)
+    qkv = leaves[0]
+    with poisoned():
+        got = llmkernels.qkv_norm_rope(qkv, wq, wk, cos, sin, eps=1e-5)
+    q, k, v = qkv.unbind(3)
+    want = (*llmkernels.qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-5, layout="bshd"), v)
+    assert type(got[0].grad_fn).__name__ == "_QkvNormRopeBackward"
+    assert got[2].data_ptr() == qkv[..., 2, :].data_ptr() and got[2].stride() == v.stride()
+    for g_, w in zip(got, want):
+        assert torch.equal(g_, w)
+    ups = [torch.randn_like(t) for t in want] if use_v else [torch.randn_like(t) for t in want[:2]]
+    with poisoned():
+        grads = torch.autograd.grad(got[:len(ups)], (qkv, wq, wk), ups)
+    for g_, w in zip(grads, torch.autograd.grad(want[:len(ups)], (qkv, wq, wk), ups)):
+        assert torch.equal(g_, w)
+    assert use_v or not grads[0][..., 2, :].any()
+
+
 def test_matches_the_two_ops_in_float32():
     """``apply_rope(rms_norm(q), ...)`` of the library's own ops gives the same in float32."""
     _, (q, k), (wq, wk), cos, sin = _leaves(2, 6, 4, 2, 32, torch.float32, "bhsd")
@@ -183,3 +206,11 @@ def _bad_cases():
 
 
 test_bad_input = bad_input_test(_bad_cases)
+
+
+def test_qkv_form_names_a_bad_qkv():
+    _, _, (wq, wk), cos, sin = _leaves(1, 4, 2, 2, 8, torch.float32, "bshd")
+    with pytest.raises(ValueError, match=r"qkv must be \[B, S, H, 3, D\]"):
+        llmkernels.qkv_norm_rope(torch.randn(1, 4, 2, 2, 8, device=DEVICE), wq, wk, cos, sin)
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        llmkernels.qkv_norm_rope(None, wq, wk, cos, sin)

@@ -98,8 +98,8 @@ def test_fused_qk_rope_model_computes_the_same_function(device, monkeypatch):
     idx = torch.randint(0, 64, (3, 17), device=device)
     for backend in ("kernels", "reference"):
         calls = []
-        op = model_mod.BACKEND_OPS[backend]["qk_norm_rope"]
-        monkeypatch.setitem(model_mod.BACKEND_OPS[backend], "qk_norm_rope", lambda *a, **k: calls.append(1) or op(*a, **k))
+        op = model_mod.BACKEND_OPS[backend]["qkv_norm_rope"]
+        monkeypatch.setitem(model_mod.BACKEND_OPS[backend], "qkv_norm_rope", lambda *a, **k: calls.append(1) or op(*a, **k))
         runs = []
         for cfg in (base, fused):
             torch.manual_seed(0)

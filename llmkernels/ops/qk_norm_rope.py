@@ -19,6 +19,9 @@ Arithmetic is float32; each output is rounded once (the two ops round the normal
 q's dtype between them). The weight gradients are summed in a fixed order: each program of a
 persistent grid keeps its rows' sums in registers and writes them once, and the host adds the
 programs' sums.
+
+``qkv_norm_rope`` takes q, k and v as a fused projection gives them (``[B, S, H, 3, D]``) and
+returns v as a view, so that its backward writes the three gradients into one tensor.
 """
 from __future__ import annotations
 
@@ -261,13 +264,14 @@ def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
 def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_rstd: torch.Tensor, k_rstd: torch.Tensor, options: QkNormRopeOptions, *,
-                     config: Optional[QkNormRopeConfig] = None
+                     config: Optional[QkNormRopeConfig] = None, out: Optional[tuple] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, d_q_weight, d_k_weight)`` from the outputs' gradients (unit last stride, any
-    other strides): dq and dk contiguous in q's and k's dtypes, the weights' gradients in theirs."""
+    other strides): dq and dk contiguous in q's and k's dtypes, or written into ``out``'s two
+    tensors of their shapes (unit last stride), the weights' gradients in their dtypes."""
     bsz, seq, hq, hk, d, dims = _sizes(q, k, options)
-    dq, dk = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    dq, dk = out or (torch.empty_like(q, memory_format=torch.contiguous_format),
+                     torch.empty_like(k, memory_format=torch.contiguous_format))
     n_tokens = bsz * seq
     if not n_tokens:
         return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
@@ -314,6 +318,37 @@ def _backward(ctx, bwd, dq_out, dk_out, *_):
 QK_NORM_ROPE = Op("qk_norm_rope", forward=qk_norm_rope_fwd, backward=_backward, grad_inputs=(0, 1, 2, 3),
                   returns=2, once_differentiable=True, fake=_fwd_fake, backward_launcher=qk_norm_rope_bwd,
                   backward_fake=_bwd_fake)
+
+
+class _QkvNormRope(torch.autograd.Function):
+    """Eager: ``(q_out, k_out, v)`` of a fused projection's ``qkv [B, S, H, 3, D]``, ``v`` a view
+    of it. The backward writes the gradients of q, k and v into one buffer of qkv's layout, where
+    autograd's backward of ``unbind`` would stack three."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, options):
+        q, k, v = qkv.unbind(3)
+        q_out, k_out, q_rstd, k_rstd = qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, options)
+        ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, q_rstd, k_rstd)
+        ctx.options = options
+        return q_out, k_out, v
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq_out, dk_out, dv):
+        qkv, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+        q, k, _ = qkv.unbind(3)
+        dqkv = torch.empty_like(qkv)
+        dq, dk, dv_in = dqkv.unbind(3)
+        dq_out = torch.zeros_like(q) if dq_out is None else _unit_last(dq_out)
+        dk_out = torch.zeros_like(k) if dk_out is None else _unit_last(dk_out)
+        _, _, dwq, dwk = qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd,
+                                          ctx.options, out=(dq, dk))
+        if dv is None:
+            dv_in.zero_()
+        else:
+            dv_in.copy_(dv)
+        return dqkv, dwq, dwk, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,3 +418,26 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                                       compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return QK_NORM_ROPE(_unit_last(q), _unit_last(k), q_weight, k_weight, _unit_last(cos), _unit_last(sin),
                         QkNormRopeOptions(float(eps), layout))
+
+
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, *, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope` of the q and k of a fused projection, and its v, with one gradient.
+
+    ``qkv [B, S, H, 3, D]`` holds each head's q, k and v side by side (``qkv_proj(x).view(B, S, H,
+    3, D)``). Returns ``(q_out, k_out, v)``: ``qk_norm_rope(q, k, ..., layout="bshd")`` and
+    ``v = qkv[..., 2, :]`` (a view). Eagerly, the backward writes the gradients of q, k and v
+    into one tensor of qkv's layout instead of three that autograd's backward of ``unbind`` then
+    stacks: a pass over q's and k's gradients fewer. Under torch.compile, and where the kernels
+    do not run, it is ``qk_norm_rope`` of ``qkv.unbind(3)``, whose gradients are the same.
+    """
+    check_tensor("qkv", qkv)
+    if qkv.dim() != 5 or qkv.shape[3] != 3:
+        raise ValueError(f"qkv must be [B, S, H, 3, D], got shape {list(qkv.shape)}")
+    q, k, v = qkv.unbind(3)
+    _check_args(q, k, q_weight, k_weight, cos, sin, eps, "bshd")
+    if (torch.compiler.is_compiling() or not use_kernels(qkv) or qkv.dtype == torch.float64 or qkv.numel() == 0
+            or qkv.stride(-1) != 1 or not (torch.is_grad_enabled() and qkv.requires_grad)):
+        return (*qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout="bshd"), v)
+    return _QkvNormRope.apply(qkv, q_weight, k_weight, _unit_last(cos), _unit_last(sin),
+                              QkNormRopeOptions(float(eps), "bshd"))

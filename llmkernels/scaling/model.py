@@ -13,7 +13,7 @@ without a target check, which would synchronise, and with a fixed chunk size, so
 can hold the step); ``backend="reference"`` computes the same functions with plain PyTorch
 (``llmkernels.reference``'s norm and RoPE, Hugging Face's ``silu(gate) * up``,
 ``F.cross_entropy`` on the full logits). With ``ModelConfig.fused_qk_rope`` the QK-norm and the
-rotation are one op (``qk_norm_rope``; its reference is float32 rounded once). On a CPU without Triton's
+rotation are one op (``qkv_norm_rope``; its reference is float32 rounded once). On a CPU without Triton's
 interpreter the kernels fall back to the reference: ``ops_run`` says what actually runs. The residual
 stream is float32; matrix products run in ``compute_dtype`` (bfloat16 on GPU).
 """
@@ -29,7 +29,7 @@ from .. import reference
 from ..modules import FusedAddRMSNorm
 from ..ops._launch import use_kernels
 from ..ops.glu import glu
-from ..ops.qk_norm_rope import qk_norm_rope
+from ..ops.qk_norm_rope import qkv_norm_rope
 from ..ops.losses.linear_cross_entropy import linear_cross_entropy
 from ..ops.rope import apply_rope
 from .plan import ModelConfig
@@ -89,8 +89,9 @@ def _reference_rope(q, k, cos, sin, layout):
     return reference.apply_rope(q, k, cos, sin, layout=layout)
 
 
-def _reference_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps, layout):
-    return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout=layout)
+def _reference_qkv_norm_rope(qkv, q_weight, k_weight, cos, sin, *, eps):
+    q, k, v = qkv.unbind(3)
+    return (*reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout="bshd"), v)
 
 
 def _reference_glu(gate, up):
@@ -99,9 +100,9 @@ def _reference_glu(gate, up):
 
 
 BACKEND_OPS = {
-    "kernels": {"norm": FusedAddRMSNorm, "rope": apply_rope, "qk_norm_rope": qk_norm_rope, "glu": glu,
+    "kernels": {"norm": FusedAddRMSNorm, "rope": apply_rope, "qkv_norm_rope": qkv_norm_rope, "glu": glu,
                 "loss": _kernel_loss},
-    "reference": {"norm": ReferenceAddRMSNorm, "rope": _reference_rope, "qk_norm_rope": _reference_qk_norm_rope,
+    "reference": {"norm": ReferenceAddRMSNorm, "rope": _reference_rope, "qkv_norm_rope": _reference_qkv_norm_rope,
                   "glu": _reference_glu, "loss": _reference_loss},
 }
 
@@ -125,11 +126,12 @@ class Block(nn.Module):
         y, residual = self.attn_norm(x, residual, out_dtype=act_dtype)
         # [q, k, v] of each head side by side: the rows of q (and of k) lie 3·head_dim apart, evenly,
         # so that the QK-norm reads them in place instead of from a copy
-        q, k, v = self.qkv(y).view(b, t, self.n_heads, 3, self.head_dim).unbind(3)
-        if self.fused_qk_rope:
-            q, k = self.ops["qk_norm_rope"](q, k, self.qk_norms[0].weight, self.qk_norms[1].weight, cos, sin,
-                                            eps=self.eps, layout="bshd")
+        qkv = self.qkv(y).view(b, t, self.n_heads, 3, self.head_dim)
+        if self.fused_qk_rope:  # (its backward writes the three gradients into one buffer: no stack of them)
+            q, k, v = self.ops["qkv_norm_rope"](qkv, self.qk_norms[0].weight, self.qk_norms[1].weight, cos, sin,
+                                                eps=self.eps)
         else:
+            q, k, v = qkv.unbind(3)
             if self.qk_norms is not None:
                 q, k = (norm(h, out_dtype=act_dtype)[0] for norm, h in zip(self.qk_norms, (q, k)))
             q, k = self.ops["rope"](q, k, cos, sin, layout="bshd")

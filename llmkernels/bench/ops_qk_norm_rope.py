@@ -1,6 +1,6 @@
 """Benchmark registration of ``qk_norm_rope``: each head's RMSNorm of q and k, then RoPE.
 
-Qwen3-8B's heads: Hq = 32, Hk = 8 (GQA), D = 128, in ``[B, S, H, D]`` as the projections give
+RoPE's bench shapes (Qwen3-8B's heads too: Hq = 32, Hk = 8, D = 128), in ``[B, S, H, D]`` as the projections give
 them (Qwen3 normalises before it transposes); the sweep is over the sequence length S with
 ``B = 2^15 / S`` (q is 2^27 elements, 256 MiB in bf16). The norms' weights ``[D]`` and cos/sin
 ``[1, S, D]`` in the benchmark dtype. Minimum bytes: fwd reads q and k and writes their outputs;
@@ -17,31 +17,20 @@ import torch
 import llmkernels
 
 from .. import reference
+from .ops_rope import (DECODE_SHAPES, DEFAULT_SIZES, EAGER_SHAPES, QUICK_SIZES, SMALL_SHAPES, heads_shape,
+                       rope_inputs)
 from .registry import BenchOp, Provider, compile_static, register
 
-HQ, HK, D = 32, 8, 128
 EPS = 1e-6
-DEFAULT_SIZES = (1024, 2048, 4096, 8192)
-QUICK_SIZES = (1024, 4096)
-DECODE_SHAPES = tuple({"M": b, "B": b, "Hq": HQ, "Hk": HK, "S": 1, "D": D} for b in (1, 8, 32, 128, 256))
-SMALL_SHAPES = ({"B": 2, "Hq": 4, "Hk": 2, "S": 8, "D": 64}, {"B": 1, "Hq": 3, "Hk": 1, "S": 5, "D": 96})
-EAGER_SHAPES = ({"M": 4096, "B": 1, "Hq": HQ, "Hk": HK, "S": 4096, "D": D},)
-
-
-def _shape(s: int, rows):
-    return {"B": rows if rows is not None else max(1, 2**15 // s), "Hq": HQ, "Hk": HK, "S": s, "D": D}
+_ROPE_INPUTS = rope_inputs("bshd")
 
 
 def _inputs(shape, dtype, device):
-    b, s, d = shape["B"], shape["S"], shape["D"]
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
-    angles = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)[None]
-    return {"q": torch.randn((b, s, shape["Hq"], d), device=device).to(dtype),
-            "k": torch.randn((b, s, shape["Hk"], d), device=device).to(dtype) * 3,
+    """RoPE's bench inputs in ``[B, S, H, D]`` and the two norms' weights ``[D]``."""
+    d = shape["D"]
+    return {**_ROPE_INPUTS(shape, dtype, device),
             "q_weight": (1 + 0.2 * torch.randn(d, device=device)).to(dtype),
-            "k_weight": (1 + 0.2 * torch.randn(d, device=device)).to(dtype),
-            "cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype)}
+            "k_weight": (1 + 0.2 * torch.randn(d, device=device)).to(dtype)}
 
 
 def _min_bytes(shape, dtype, mode):
@@ -75,7 +64,7 @@ def _hf_eager():
 
 
 register(BenchOp(
-    name="qk_norm_rope", axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+    name="qk_norm_rope", axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=heads_shape,
     decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES, make_inputs=_inputs,
     grad_inputs=("q", "k", "q_weight", "k_weight"), outputs=("q_out", "k_out"),
     reference=lambda **a: reference.qk_norm_rope(**a, eps=EPS, layout="bshd", compute_dtype=torch.float64),

@@ -28,11 +28,13 @@ SMALL_SHAPES = ({"B": 2, "Hq": 4, "Hk": 2, "S": 8, "D": 64}, {"B": 1, "Hq": 3, "
 EAGER_SHAPES = ({"M": 4096, "B": 1, "Hq": HQ, "Hk": HK, "S": 4096, "D": D},)
 
 
-def _shape(s: int, rows):
+def heads_shape(s: int, rows):
+    """Llama-like heads at sequence length ``s``, ``B = 2^15 / s`` sequences (or ``rows``)."""
     return {"B": rows if rows is not None else max(1, 2**15 // s), "Hq": HQ, "Hk": HK, "S": s, "D": D}
 
 
-def _inputs(layout):
+def rope_inputs(layout):
+    """``make(shape, dtype, device)``: random q and k in ``layout``, Llama's cos/sin ``[1, S, D]``."""
     def make(shape, dtype, device):
         b, s, d = shape["B"], shape["S"], shape["D"]
 
@@ -76,9 +78,9 @@ for _name, _layout in (("rope", "bhsd"), ("rope_bshd", "bshd")):
     if _layout == "bhsd":
         _providers["liger"] = Provider(_liger, gpu_only=True)
     register(BenchOp(
-        name=_name, axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=_shape,
+        name=_name, axis="S", sizes=DEFAULT_SIZES, quick_sizes=QUICK_SIZES, shape=heads_shape,
         decode_shapes=DECODE_SHAPES, small_shapes=SMALL_SHAPES, eager_shapes=EAGER_SHAPES,
-        make_inputs=_inputs(_layout), grad_inputs=("q", "k"), outputs=("q_out", "k_out"),
+        make_inputs=rope_inputs(_layout), grad_inputs=("q", "k"), outputs=("q_out", "k_out"),
         reference=functools.partial(reference.apply_rope, layout=_layout, compute_dtype=torch.float64),
         min_bytes=_min_bytes, providers=_providers,
     ))

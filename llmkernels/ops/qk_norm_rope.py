@@ -48,17 +48,31 @@ _BWD_PER_SM = 4
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _halves(P, i, D, mask):
+    """The halves ``(P[i], P[i + D/2])`` of the rows at ``P`` as float32, 0 where masked."""
+    return (tl.load(P + i, mask=mask, other=0.0).to(tl.float32),
+            tl.load(P + i + D // 2, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _tables(COS, SIN, b, s, tok_valid, scb, scs, D, HALF: tl.constexpr):
     """The tokens' ``c1, s1, c2, s2 [BLOCK_T, 1, HALF]`` (float32) from rows ``b * scb + s * scs``;
     0 past the features and for absent tokens."""
     i = tl.arange(0, HALF)[None, :]
     m = tok_valid[:, None] & (i < D // 2)
     row = (b * scb + s * scs)[:, None]
-    c1 = tl.load(COS + row + i, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + row + i + D // 2, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + row + i, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + row + i + D // 2, mask=m, other=0.0).to(tl.float32)
+    c1, c2 = _halves(COS + row, i, D, m)
+    s1, s2 = _halves(SIN + row, i, D, m)
     return c1[:, None, :], s1[:, None, :], c2[:, None, :], s2[:, None, :]
+
+
+@triton.jit
+def _head_step(tok_valid, h0, H, feat, BLOCK_H: tl.constexpr):
+    """Heads ``h0 .. h0 + BLOCK_H`` of the tokens: their indices, the rows that exist
+    ``[BLOCK_T, BLOCK_H]``, the elements that exist and the heads as int64 ``[1, BLOCK_H, 1]``."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    rows = tok_valid[:, None] & (heads < H)[None, :]
+    return heads, rows, rows[:, :, None] & feat, heads.to(tl.int64)[None, :, None]
 
 
 @triton.jit
@@ -68,18 +82,12 @@ def _fwd_heads(X, Y, RSTD, W, tok, tok_valid, b, s, c1, s1, c2, s2, H, D, eps,
     their ``rstd`` into ``RSTD [tokens, H]``."""
     i = tl.arange(0, HALF)[None, None, :]
     feat = i < D // 2
-    w1 = tl.load(W + i, mask=feat, other=0.0).to(tl.float32)
-    w2 = tl.load(W + i + D // 2, mask=feat, other=0.0).to(tl.float32)
+    w1, w2 = _halves(W, i, D, feat)
     bx = (b * sxb + s * sxs)[:, None, None]
     by = (b * syb + s * sys)[:, None, None]
     for h0 in range(0, H, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        rows = tok_valid[:, None] & (heads < H)[None, :]
-        mask = rows[:, :, None] & feat
-        hh = heads.to(tl.int64)[None, :, None]
-        px = X + bx + hh * sxh
-        x1 = tl.load(px + i, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(px + i + D // 2, mask=mask, other=0.0).to(tl.float32)
+        heads, rows, mask, hh = _head_step(tok_valid, h0, H, feat, BLOCK_H)
+        x1, x2 = _halves(X + bx + hh * sxh, i, D, mask)
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / D + eps)
         y1 = x1 * rstd[:, :, None] * w1
         y2 = x2 * rstd[:, :, None] * w2
@@ -113,25 +121,19 @@ def _bwd_heads(DO, X, DX, RSTD, W, tok, tok_valid, b, s, c1, s1, c2, s2, H, D, a
     returns ``acc1, acc2`` with their weight-gradient terms added."""
     i = tl.arange(0, HALF)[None, None, :]
     feat = i < D // 2
-    w1 = tl.load(W + i, mask=feat, other=0.0).to(tl.float32)
-    w2 = tl.load(W + i + D // 2, mask=feat, other=0.0).to(tl.float32)
+    w1, w2 = _halves(W, i, D, feat)
     bg = (b * sgb + s * sgs)[:, None, None]
     bx = (b * sxb + s * sxs)[:, None, None]
     bd = (b * sdb + s * sds)[:, None, None]
     for h0 in range(0, H, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        rows = tok_valid[:, None] & (heads < H)[None, :]
-        mask = rows[:, :, None] & feat
-        hh = heads.to(tl.int64)[None, :, None]
-        pg = DO + bg + hh * sgh
-        do1 = tl.load(pg + i, mask=mask, other=0.0).to(tl.float32)
-        do2 = tl.load(pg + i + D // 2, mask=mask, other=0.0).to(tl.float32)
+        heads, rows, mask, hh = _head_step(tok_valid, h0, H, feat, BLOCK_H)
+        do1, do2 = _halves(DO + bg + hh * sgh, i, D, mask)
         dy1 = do1 * c1 + do2 * s2
         dy2 = do2 * c2 - do1 * s1
-        px = X + bx + hh * sxh
         rstd = tl.load(RSTD + tok[:, None] * H + heads[None, :], mask=rows, other=0.0)[:, :, None]
-        xh1 = tl.load(px + i, mask=mask, other=0.0).to(tl.float32) * rstd
-        xh2 = tl.load(px + i + D // 2, mask=mask, other=0.0).to(tl.float32) * rstd
+        x1, x2 = _halves(X + bx + hh * sxh, i, D, mask)
+        xh1 = x1 * rstd
+        xh2 = x2 * rstd
         g1 = dy1 * w1
         g2 = dy2 * w2
         mean = ((tl.sum(g1 * xh1, axis=2) + tl.sum(g2 * xh2, axis=2)) / D)[:, :, None]

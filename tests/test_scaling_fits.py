@@ -464,6 +464,26 @@ def test_report_text_is_computed_from_its_runs(tmp_path, seed):
     assert [line.split(":")[0] for line in noted] == [literature.by_key(k).label for k in ("chinchilla_1", "chinchilla_3")]
 
 
+def test_an_unfinished_sweep_is_not_quotable():
+    """A sweep's state (runs of its plan left) passes its gate on the runs so far and still quotes
+    nothing: the headline says no, the result's line says why, and the gate's tail says that no
+    interval is a result yet; finished, the same fits are quotable."""
+    ivals = {f"a3_{x}": {"point": 0.5, "lo": 0.47, "hi": 0.53, "half_width": 0.03} for x in ("a", "b")}
+    passed = {"ok": True, "checks": [], "failed": [], "not_evaluated": []}
+    extrapolation = {"approach3_error": 0.001}
+    assert report.headline(ivals, {}, passed, extrapolation)["quotable"] is True
+    h = report.headline(ivals, {}, passed, extrapolation, unfinished=59)
+    assert h["quotable"] is False and h["unfinished"] == 59
+    an = {"headline": h, "intervals": {**ivals, "level": 0.9, "resamples": 10}, "runs": 12, "gate": passed}
+    line = "\n".join(markdown._result_lines(an))
+    assert "Quotable: **no**: the sweep is not finished (59 runs of its current stage left" in line
+    tail = markdown._gate_lines(an)[-2]
+    assert "59 runs of the sweep are left" in tail and "no interval below is a result yet" in tail
+    finished = {**an, "headline": report.headline(ivals, {}, passed, extrapolation)}
+    assert "Quotable: **yes**: quality gate passed" in "\n".join(markdown._result_lines(finished))
+    assert markdown._gate_lines(finished)[-2] == "Every check passed: the intervals below are results."
+
+
 def test_batch_text_names_ranges_of_budgets_with_one_batch():
     assert markdown.batch_text({"1e+15": [64], "2e+15": [64]}) == "64 at every budget"
     assert markdown.batch_text({"1e+14": [16], "5e+14": [16], "1e+15": [32, 64], "2e+15": [64], "3e+15": [64]}) == \

@@ -53,7 +53,10 @@ def _result_lines(an: dict) -> list[str]:
     return ["## Result", "",
             f"**a = {a['point']:.3f} {bracket(a)}, b = {num(b['point'])} {bracket(b)}** (N_opt ∝ C^a, D_opt ∝ C^b; approach "
             f"{h['approach']}, {level}% bootstrap intervals over {ivals.get('resamples', 0)} resamples of the "
-            f"{an['runs']} IsoFLOP runs). Quotable: **{'yes' if h['quotable'] else 'no'}**: quality gate "
+            f"{an['runs']} IsoFLOP runs). Quotable: **{'yes' if h['quotable'] else 'no'}**: "
+            + (f"the sweep is not finished ({h['unfinished']} runs of its current stage left: this is its state, "
+               "not a result); " if h.get("unfinished") else "")
+            + "quality gate "
             f"{_gate_word(an['gate']['ok'])}; half-widths of a / b {hw} (at most {h['target_half_width']:g}: "
             f"{'met' if h['precise'] else 'not met'}); extrapolation to the held-out top budget "
             + ("not made" if ex is None else f"{ex:+.4f} nats/token (|error| at most {h['extrapolation_target']:g}: "
@@ -64,7 +67,10 @@ def _gate_lines(an: dict) -> list[str]:
     g = an["gate"]
     lines = [f"## Quality gate: {_gate_word(g['ok'])}", ""]
     lines += [f"- {c['name']}: {_gate_word(c['ok'])}: {c['reason']}." for c in g["checks"]]
-    tail = ("Every check passed: the intervals below are results." if g["ok"] else
+    unfinished = an["headline"].get("unfinished")
+    tail = (f"Every check passed on the runs so far, but {unfinished} runs of the sweep are left: **no interval "
+            "below is a result yet**." if g["ok"] and unfinished else
+            "Every check passed: the intervals below are results." if g["ok"] else
             "**No interval below is a result**; they are shown to find what went wrong.")
     return lines + ["", tail, ""]
 

@@ -106,24 +106,27 @@ def throughput(results: list[dict]) -> list[dict]:
     return out
 
 
-def headline(ivals: dict | None, points: dict, gate_: dict, extrapolation: dict) -> dict:
-    """The quoted a and b (approach ``HEADLINE``), whether they are quotable (the gate passed and
-    each 90% half-width is within ``gate.TARGET_HALF_WIDTH``) and the extrapolation's error
-    against ``EXTRAPOLATION_TARGET``."""
+def headline(ivals: dict | None, points: dict, gate_: dict, extrapolation: dict, unfinished: int = 0) -> dict:
+    """The quoted a and b (approach ``HEADLINE``), whether they are quotable (the sweep finished:
+    no ``unfinished`` run left; the gate passed; each 90% half-width within
+    ``gate.TARGET_HALF_WIDTH``) and the extrapolation's error against ``EXTRAPOLATION_TARGET``."""
     keys = {x: f"a{HEADLINE}_{x}" for x in ("a", "b")}
     iv = {x: (ivals or {}).get(k) or {"point": points.get(k), "half_width": None} for x, k in keys.items()}
     precise = all(v["half_width"] is not None and v["half_width"] <= gate.TARGET_HALF_WIDTH for v in iv.values())
     err = extrapolation.get("approach3_error")
     return {"approach": HEADLINE, "a": iv["a"], "b": iv["b"], "precise": precise,
-            "quotable": bool(gate_["ok"]) and precise, "target_half_width": gate.TARGET_HALF_WIDTH,
+            "quotable": bool(gate_["ok"]) and precise and not unfinished, "unfinished": unfinished,
+            "target_half_width": gate.TARGET_HALF_WIDTH,
             "extrapolation_error": err, "extrapolation_target": EXTRAPOLATION_TARGET,
             "extrapolation_ok": None if err is None else abs(err) <= EXTRAPOLATION_TARGET}
 
 
-def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, fit_from: float | None = None) -> dict:
+def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, fit_from: float | None = None,
+            unfinished: int = 0) -> dict:
     """Every fit and check over the finished runs (``results``: run records with ``stage``; any
     subset, diverged runs left out of the fits and listed). ``fit_from``: fit only the budgets from
-    this one up; the IsoFLOP runs below it stay in the runs' table and are counted as not fitted."""
+    this one up; the IsoFLOP runs below it stay in the runs' table and are counted as not fitted.
+    ``unfinished``: the runs of the sweep's plan not trained yet (none quotable while any is left)."""
     valid = [r for r in results if r.get("val_loss") is not None]
     isoflop = [r for r in valid if r["stage"] == "sweep"]
     sweep = [r for r in isoflop if fit_from is None or r["budget"] >= fit_from * (1 - 1e-6)]
@@ -144,7 +147,7 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, 
         **fits, "runs": len(sweep), "budgets": len(fit.by_budget(sweep)), "fit_from": fit_from,
         "not_fitted": sorted({r["budget"] for r in isoflop} - {r["budget"] for r in sweep}),
         "diverged": [r["id"] for r in results if r not in valid], "estimates": points, "intervals": ivals,
-        "gate": gate_, "headline": headline(ivals, points, gate_, extrapolation),
+        "gate": gate_, "headline": headline(ivals, points, gate_, extrapolation, unfinished),
         "e_profile": surface.profile_e(*cols, a3), "loss_law": fit.optimal_loss_law(fits["approach2"]["optima"]),
         "frontier": envelope.frontier(sweep), "extrapolation": extrapolation, "lr_rule": lr_rule,
         "seed_spread": seed_spread, "batch_check": batch, "backend_check": _spread(_pairs(sweep, stage["backend"])),
@@ -156,11 +159,11 @@ def analyse(results: list[dict], lr_rule: dict | None, meta: dict, n_boot: int, 
 
 
 def write(info: dict, results: list[dict], lr_rule: dict | None, meta: dict, out: Path, n_boot: int,
-          fit_from: float | None = None, centres: dict | None = None) -> dict:
+          fit_from: float | None = None, centres: dict | None = None, unfinished: int = 0) -> dict:
     """report.md, report.json and the figures in ``out``; ``centres`` (the upper windows as
     ``centres.json`` saved them) goes into report.json as it is, so that a sweep restored from its
-    report plans the same runs."""
-    an = analyse(results, lr_rule, meta, n_boot, fit_from)
+    report plans the same runs; ``unfinished``: as ``analyse`` takes it."""
+    an = analyse(results, lr_rule, meta, n_boot, fit_from, unfinished)
     an["figures"], an["figures_skipped"] = plots(an, results, out)
     runs = [{**{k: r.get(k) for k in RUN_FIELDS}, "batch": r["train"]["batch_size"], "lr": r["train"]["lr"],
              **{k: v for k, v in r.items() if k not in ("history", "key")}} for r in results]

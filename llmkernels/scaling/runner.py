@@ -288,7 +288,7 @@ class Session:
         if missing:
             self.incomplete(missing)
         if results:
-            self.write_report(results, lr_fit)
+            self.write_report(results, lr_fit, len(missing))
         self.log(f"total wall-clock {_fmt_seconds(time.time() - self.t_start)}")
         return EXIT_INCOMPLETE if missing else 0
 
@@ -316,7 +316,7 @@ class Session:
         self.log(f"{len(missing)} run(s) of this stage not finished ({len(failed)} failed); "
                  + ("rerun the same command to resume" if not self.args.fit_only else "train them first"))
 
-    def write_report(self, results: list[dict], lr_fit: dict):
+    def write_report(self, results: list[dict], lr_fit: dict, unfinished: int):
         device_name = ", ".join(sorted({r["device"] for r in results}))
         if self.args.fit_only:
             device_name += f" (fitted on {platform.processor() or platform.machine() or 'a CPU'})"
@@ -334,7 +334,7 @@ class Session:
                 "deterministic": sorted({r.get("deterministic", False) for r in results}),
                 "ops": sorted({str(r["ops"]) for r in results})}
         an = report.write(info, results, lr_fit, self.meta, self.out, self.args.bootstrap, self.args.fit_from,
-                          centres=read_json(self.out / "centres.json"))
+                          centres=read_json(self.out / "centres.json"), unfinished=unfinished)
         ivals = an["intervals"] or {}
 
         def est(key):

@@ -116,6 +116,9 @@ def test_fused_qk_rope_model_computes_the_same_function(device, monkeypatch):
     assert "fused_qk_rope" not in base.to_dict() and fused.to_dict()["fused_qk_rope"] is True
     with pytest.raises(ValueError, match="qk_norm=True"):
         dataclasses.replace(base, qk_norm=False, fused_qk_rope=True)
+    assert all(m.fused_qk_rope for m in plan.ladder_models(64, 16, 16, [(2, 32)], qk_norm=True, fused_qk_rope=True))
+    with pytest.raises(SystemExit, match="--no-qk-norm"):
+        sweep.main(["--list", "--no-qk-norm", "--fused-qk-rope"])
 
 
 def test_model_rejects_bad_arguments():

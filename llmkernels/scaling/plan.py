@@ -107,10 +107,10 @@ class ModelConfig:
 
 
 def ladder_models(vocab_size: int, seq_len: int = SEQ_LEN, head_dim: int = HEAD_DIM, ladder=None,
-                  qk_norm: bool = False) -> list[ModelConfig]:
+                  qk_norm: bool = False, fused_qk_rope: bool = False) -> list[ModelConfig]:
     shapes = LADDER if ladder is None else ladder
-    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim, qk_norm=qk_norm)
-              for n_layers, width in shapes]
+    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim, qk_norm=qk_norm,
+                          fused_qk_rope=fused_qk_rope) for n_layers, width in shapes]
     return sorted(models, key=ModelConfig.total_params)
 
 

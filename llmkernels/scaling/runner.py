@@ -272,7 +272,7 @@ class Session:
             self.check_data()
         design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
-        models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm)
+        models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm, fused_qk_rope=a.fused_qk_rope)
         results, missing = [], []
         if a.lr is not None:
             rule = LRRule(c=a.lr, gamma=a.lr_gamma, source="--lr")

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels: llmkernels' Triton ops; reference: plain PyTorch (default: %(default)s)")
     g.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="RMSNorm of each head's queries and keys (stabilises high learning rates) (default: on)")
+    g.add_argument("--fused-qk-rope", action="store_true",
+                   help="the QK-norm and the rotation in one kernel (qkv_norm_rope): a pass fewer, one rounding "
+                        "fewer, so runs of another model than those without it (default: off)")
     g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order of every run; "
                    "another value gives an independent replicate (default: %(default)s)")
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
@@ -199,7 +202,8 @@ def print_plan(args, out=print) -> int:
     files, n_bytes = data_mod.estimate_bytes(dcfg)
     vocab = BYTE_VOCAB if args.tokenizer == "byte" else args.vocab_size
     train_tokens = n_bytes * (1 - args.heldout_frac) / (1.0 if args.tokenizer == "byte" else 3.2)
-    models = ladder_models(vocab, args.seq_len, args.head_dim, ladder, qk_norm=args.qk_norm)
+    models = ladder_models(vocab, args.seq_len, args.head_dim, ladder, qk_norm=args.qk_norm,
+                           fused_qk_rope=args.fused_qk_rope)
     rule = read_rule(Path(args.out)) or (LRRule(c=args.lr, gamma=args.lr_gamma, source="--lr") if args.lr else LRRule())
     centres = read_centres(Path(args.out))
     lr_runs = [] if args.lr else design.lr_sweep(models, hp)
@@ -255,6 +259,8 @@ def main(argv=None) -> int:
     for name in ("time_limit", "horizon"):
         if getattr(args, name) is not None and not getattr(args, name) >= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
+    if args.fused_qk_rope and not args.qk_norm:
+        raise SystemExit("--fused-qk-rope fuses the QK-norm into the rotation: it cannot go with --no-qk-norm")
     if args.compare:
         return compare_mod.main(args.compare, args.out)
     args.out = args.out or DEFAULT_OUT

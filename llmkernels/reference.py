@@ -131,9 +131,8 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, layout="bhsd",
     """RMSNorm of every head row of ``q`` and ``k`` (weights ``[D]``), then RoPE over all ``D``
     features (``rotate_half``); see ``llmkernels.qk_norm_rope``. Returns ``(q_out, k_out)``
     contiguous in q's dtype, computed in ``compute_dtype`` and rounded once."""
-    def norm(x, w):
-        x = x.to(compute_dtype)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(compute_dtype)
+    def norm(x, w):  # unrounded: in compute_dtype, into the rotation
+        return rms_norm(x, w, eps=eps, casting="none", out_dtype=compute_dtype, compute_dtype=compute_dtype)
 
     q_out, k_out = apply_rope(norm(q, q_weight), norm(k, k_weight), cos, sin, layout=layout,
                               compute_dtype=compute_dtype)

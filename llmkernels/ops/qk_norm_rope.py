@@ -35,10 +35,9 @@ from ._device import persistent_programs
 from ._launch import PlanCache, launcher_of, use_kernels
 from ._register import Op
 from ._triton import tl, triton
+# (RoPE's layouts, and its addressing of q and k through their strides in either)
+from .rope import _DIMS, LAYOUTS, _bsh, _unit_last
 
-LAYOUTS = ("bshd", "bhsd")
-# Where batch, sequence and head are in q's dimensions, by layout.
-_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1)}
 # Programs a multiprocessor in the backward's persistent grid: enough rows in flight, and few
 # enough programs that their weight-gradient sums are a small write.
 _BWD_PER_SM = 4
@@ -229,10 +228,10 @@ def _sizes(q, k, options: QkNormRopeOptions):
     return q.shape[0], q.shape[dims[1]], q.shape[dims[2]], k.shape[dims[2]], q.shape[3], dims
 
 
-def _bsh(t: torch.Tensor, dims: tuple) -> tuple:
-    """(batch, sequence, head) strides of ``t`` in the layout whose dimensions are ``dims``."""
-    st = t.stride()
-    return st[dims[0]], st[dims[1]], st[dims[2]]
+def _contiguous_like(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """New contiguous tensors of q's and k's shapes and dtypes: the outputs, or the inputs' gradients."""
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
 
 
 def _table_strides(cos: torch.Tensor) -> tuple:
@@ -249,8 +248,7 @@ def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     dtypes, and each row's ``rstd`` (float32, ``[tokens, H]`` in ``[B, S]`` order). ``config``:
     the launch's tiles (tests and tuning), default ``qk_norm_rope_config``'s."""
     bsz, seq, hq, hk, d, dims = _sizes(q, k, options)
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    q_out, k_out = _contiguous_like(q, k)
     n_tokens = bsz * seq
     q_rstd = q.new_empty((n_tokens, hq), dtype=torch.float32)
     k_rstd = q.new_empty((n_tokens, hk), dtype=torch.float32)
@@ -272,8 +270,7 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     other strides): dq and dk contiguous in q's and k's dtypes, or written into ``out``'s two
     tensors of their shapes (unit last stride), the weights' gradients in their dtypes."""
     bsz, seq, hq, hk, d, dims = _sizes(q, k, options)
-    dq, dk = out or (torch.empty_like(q, memory_format=torch.contiguous_format),
-                     torch.empty_like(k, memory_format=torch.contiguous_format))
+    dq, dk = out or _contiguous_like(q, k)
     n_tokens = bsz * seq
     if not n_tokens:
         return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
@@ -292,29 +289,26 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
 # registration: eager autograd and torch.compile custom ops (llmkernels::qk_norm_rope_fwd /
 # _bwd). Saved: q, k, the weights, cos, sin and the rows' rstd.
 # --------------------------------------------------------------------------------------------
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _fwd_fake(q, k, q_weight, k_weight, cos, sin, options: QkNormRopeOptions):
     bsz, seq, hq, hk, _, _ = _sizes(q, k, options)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            q.new_empty((bsz * seq, hq), dtype=torch.float32), q.new_empty((bsz * seq, hk), dtype=torch.float32))
+    return (*_contiguous_like(q, k), q.new_empty((bsz * seq, hq), dtype=torch.float32),
+            q.new_empty((bsz * seq, hk), dtype=torch.float32))
 
 
 def _bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, options):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(q_weight), torch.empty_like(k_weight))
+    return (*_contiguous_like(q, k), torch.empty_like(q_weight), torch.empty_like(k_weight))
+
+
+def _upstream(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """An output's gradient as the backward kernel reads it: unit last stride, and zeros for an
+    unused output (whose gradient comes as None under torch.compile and from autograd's Functions)."""
+    return torch.zeros_like(like) if grad is None else _unit_last(grad)
 
 
 def _backward(ctx, bwd, dq_out, dk_out, *_):
     q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
-    # The gradient of an unused output comes as zeros (eager) or None (torch.compile).
-    dq_out = torch.zeros_like(q) if dq_out is None else _unit_last(dq_out)
-    dk_out = torch.zeros_like(k) if dk_out is None else _unit_last(dk_out)
-    return bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, ctx.options)
+    return bwd(_upstream(dq_out, q), _upstream(dk_out, k), q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd,
+               ctx.options)
 
 
 QK_NORM_ROPE = Op("qk_norm_rope", forward=qk_norm_rope_fwd, backward=_backward, grad_inputs=(0, 1, 2, 3),
@@ -342,10 +336,8 @@ class _QkvNormRope(torch.autograd.Function):
         q, k, _ = qkv.unbind(3)
         dqkv = torch.empty_like(qkv)
         dq, dk, dv_in = dqkv.unbind(3)
-        dq_out = torch.zeros_like(q) if dq_out is None else _unit_last(dq_out)
-        dk_out = torch.zeros_like(k) if dk_out is None else _unit_last(dk_out)
-        _, _, dwq, dwk = qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd,
-                                          ctx.options, out=(dq, dk))
+        _, _, dwq, dwk = qk_norm_rope_bwd(_upstream(dq_out, q), _upstream(dk_out, k), q, k, q_weight, k_weight,
+                                          cos, sin, q_rstd, k_rstd, ctx.options, out=(dq, dk))
         if dv is None:
             dv_in.zero_()
         else:
@@ -415,6 +407,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         k and both weights; cos and sin get no gradient. A NaN stays in its row.
     """
     _check_args(q, k, q_weight, k_weight, cos, sin, eps, layout)
+    return _qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, layout)
+
+
+def _qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, layout):
+    """``qk_norm_rope`` of checked arguments: the kernels, or the reference where they do not run."""
     if not use_kernels(q) or q.dtype == torch.float64 or q.numel() == 0 or k.numel() == 0:
         return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout=layout,
                                       compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -440,6 +437,6 @@ def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
     _check_args(q, k, q_weight, k_weight, cos, sin, eps, "bshd")
     if (torch.compiler.is_compiling() or not use_kernels(qkv) or qkv.dtype == torch.float64 or qkv.numel() == 0
             or qkv.stride(-1) != 1 or not (torch.is_grad_enabled() and qkv.requires_grad)):
-        return (*qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=eps, layout="bshd"), v)
+        return (*_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, "bshd"), v)
     return _QkvNormRope.apply(qkv, q_weight, k_weight, _unit_last(cos), _unit_last(sin),
                               QkNormRopeOptions(float(eps), "bshd"))

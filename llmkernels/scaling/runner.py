@@ -20,8 +20,8 @@ import torch
 
 from . import data as data_mod
 from . import fit, report, surface
-from .design import centre_plan, design_from, run_order
-from .plan import ADMIT_QUANTILE, Estimator, LRRule, ladder_models
+from .design import centre_plan, design_from, models_from, run_order
+from .plan import ADMIT_QUANTILE, Estimator, LRRule
 from .store import pack, read_centres, read_json, read_rule, read_spans, restore, write_json
 from .train import TrainConfig, set_deterministic
 from .workers import Local, Pool, Setup, Task
@@ -272,7 +272,7 @@ class Session:
             self.check_data()
         design, self.hp, ladder = design_from(a)
         vocab = 64 * math.ceil(self.meta["vocab_size"] / 64)  # padded for the tensor cores; the extra ids never occur
-        models = ladder_models(vocab, a.seq_len, a.head_dim, ladder, qk_norm=a.qk_norm, fused_qk_rope=a.fused_qk_rope)
+        models = models_from(a, vocab, ladder)
         results, missing = [], []
         if a.lr is not None:
             rule = LRRule(c=a.lr, gamma=a.lr_gamma, source="--lr")

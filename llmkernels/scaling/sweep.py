@@ -47,8 +47,8 @@ from pathlib import Path
 
 from . import compare as compare_mod
 from . import data as data_mod
-from .design import SEED_CHECK_OFFSET, Design, design_from, estimate
-from .plan import BYTE_VOCAB, SEQ_LEN, Estimator, HParams, LRRule, ladder_models
+from .design import SEED_CHECK_OFFSET, Design, design_from, estimate, models_from
+from .plan import BYTE_VOCAB, SEQ_LEN, Estimator, HParams, LRRule
 from .store import read_centres, read_json, read_rule, read_spans, restore
 
 EXIT_USAGE = 2
@@ -202,8 +202,7 @@ def print_plan(args, out=print) -> int:
     files, n_bytes = data_mod.estimate_bytes(dcfg)
     vocab = BYTE_VOCAB if args.tokenizer == "byte" else args.vocab_size
     train_tokens = n_bytes * (1 - args.heldout_frac) / (1.0 if args.tokenizer == "byte" else 3.2)
-    models = ladder_models(vocab, args.seq_len, args.head_dim, ladder, qk_norm=args.qk_norm,
-                           fused_qk_rope=args.fused_qk_rope)
+    models = models_from(args, vocab, ladder)
     rule = read_rule(Path(args.out)) or (LRRule(c=args.lr, gamma=args.lr_gamma, source="--lr") if args.lr else LRRule())
     centres = read_centres(Path(args.out))
     lr_runs = [] if args.lr else design.lr_sweep(models, hp)

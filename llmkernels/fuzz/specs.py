@@ -136,12 +136,17 @@ def norm(d: Draw, is_rms: bool) -> Case:
 # --------------------------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------------------------
+def _heads_shape(layout: str, b: int, s: int, dim: int):
+    """``shape_of(heads)``: the shape of q or k with that many heads in ``layout``."""
+    return (lambda h: (b, h, s, dim)) if layout == "bhsd" else (lambda h: (b, s, h, dim))
+
+
 def rope(d: Draw, hf: bool) -> Case:
     dtype = d.dtype()
     b, hq, s, dim = d.int(1, 3), d.int(1, 4), d.int(1, 9), 2 * d.int(1, 32)
     hk = d.choice((None, 1, hq, d.int(1, hq)))
     layout = "bhsd" if hf and d.chance(0.5) else d.choice(("bhsd", "bshd"))
-    shape_of = (lambda h: (b, h, s, dim)) if layout == "bhsd" else (lambda h: (b, s, h, dim))
+    shape_of = _heads_shape(layout, b, s, dim)
     q = d.tensor(shape_of(hq), dtype, layouts=("contiguous", "sliced", "strided"))
     k = None if hk is None else d.tensor(shape_of(hk), dtype, layouts=("contiguous", "sliced", "strided"))
     rotary = dim if hf or d.chance(0.6) else 2 * d.int(1, dim // 2)
@@ -179,7 +184,7 @@ def qk_norm_rope(d: Draw) -> Case:
     b, hq, s, dim = d.int(1, 3), d.int(1, 4), d.int(1, 9), 2 * d.int(1, 64)
     hk = d.choice((1, hq, d.int(1, hq)))
     layout = d.choice(("bhsd", "bshd"))
-    shape_of = (lambda h: (b, h, s, dim)) if layout == "bhsd" else (lambda h: (b, s, h, dim))
+    shape_of = _heads_shape(layout, b, s, dim)
     q = d.tensor(shape_of(hq), dtype, layouts=("contiguous", "sliced", "strided"))
     k = d.tensor(shape_of(hk), dtype, layouts=("contiguous", "sliced", "strided"))
     wdtype = d.choice((dtype, torch.float32))

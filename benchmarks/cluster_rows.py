@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from llmkernels.ops._device import persistent_programs
 from llmkernels.ops._launch import INTERPRET
 from llmkernels.ops._triton import tl, triton
 from llmkernels.ops.losses.base import count_rows, finish_loss, scale_rows_
@@ -190,8 +191,7 @@ def _programs(rows: torch.Tensor, num_ctas: int, per_sm: int) -> int:
     the loop."""
     if rows.device.type != "cuda":
         return max(1, min(rows.shape[0], 2))
-    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
-    return max(1, min(rows.shape[0], sms * per_sm // num_ctas))
+    return max(1, min(rows.shape[0], persistent_programs(rows.device, per_sm) // num_ctas))
 
 
 class _ClusterNorm(torch.autograd.Function):

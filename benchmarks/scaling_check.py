@@ -149,7 +149,8 @@ def at_once_main(args, name: str, tokens: torch.Tensor):
 # CUTLASS types), cuBLAS / CUTLASS products, llmkernels' Triton kernels by their function names,
 # the fused AdamW and the clip's norms, elementwise copies and casts.
 FAMILIES = (("attention", r"flash|fmha|attention"), ("matmul", r"gemm|cutlass|xmma|nvjet|sm\d+_.*(mma|tensorop)"),
-            ("qk-norm + rope", r"qk_norm_rope"), ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"), ("glu", r"glu"),
+            ("qk-norm + rope", r"qk_norm_rope"), ("norm", r"norm_(fwd|bwd)|sum_partials"), ("rope", r"rope"),
+            ("glu", r"glu"),
             ("head + loss", r"(^|_)ce_|finish_kernel|scale_rows"), ("embedding", r"embedding|grad_weight|sort"),
             ("optimizer + clip", r"adam|multi_tensor|foreach|lpnorm|reduce_kernel"),
             ("elementwise (copies, casts, fills)", r"copy|cast|elementwise|vectorized|unrolled|index|gather|fill"))

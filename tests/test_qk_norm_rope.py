@@ -114,6 +114,29 @@ def test_more_token_blocks_than_backward_programs():
         assert_close(g_, w, torch.float32, f"{name} with small tiles")
 
 
+def test_eager_configurations_reach_both_launchers():
+    """The tune's path: an eager call's ``config`` launches the forward and its
+    ``backward_config`` the backward (two programs a multiprocessor, a token a step), and the
+    outputs and every gradient still match float64."""
+    leaves, (q, k), (wq, wk), cos, sin = _leaves(2, 7, 3, 2, 16, torch.float32, "bshd")
+    fwd = ops.QkNormRopeConfig(block_t=1, block_h=2, num_warps=1)
+    bwd = ops.QkNormRopeConfig(block_t=1, block_h=1, num_warps=1, programs_per_sm=2)
+    ops._FWD.clear()
+    ops._BWD.clear()
+    out = ops.QK_NORM_ROPE(q, k, wq, wk, cos, sin, ops.QkNormRopeOptions(1e-6, "bshd"), config=fwd,
+                           backward_config=bwd)
+    ups = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, (q, k, wq, wk), ups)
+    assert [key.config for key in ops._FWD] == [fwd] and [key.config for key in ops._BWD] == [bwd]
+    leaves64 = [t.detach().to(F64).requires_grad_() for t in (q, k, wq, wk)]
+    ref = reference.qk_norm_rope(*leaves64, cos.to(F64), sin.to(F64), eps=1e-6, layout="bshd", compute_dtype=F64)
+    for name, o, r in zip(("q_out", "k_out"), out, ref):
+        assert_close(o, r, torch.float32, name)
+    want = torch.autograd.grad(ref, leaves64, [u.to(F64) for u in ups])
+    for name, g_, w in zip(("dq", "dk", "dwq", "dwk"), got, want):
+        assert_close(g_, w, torch.float32, name)
+
+
 @pytest.mark.parametrize("use_v", [True, False])
 def test_qkv_form_is_the_op_with_one_gradient_buffer(use_v):
     """qkv_norm_rope of a fused ``[B, S, H, 3, D]``: the outputs and every gradient bitwise those

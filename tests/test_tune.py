@@ -12,6 +12,7 @@ from llmkernels import cli
 from llmkernels.tune import FAMILIES, spaces
 from llmkernels.ops import _device
 from llmkernels.ops.configs import cross_entropy as ce
+from llmkernels.ops.configs import qk_norm_rope as qk
 from llmkernels.ops.norm import NormKey, backward_config, forward_config
 from llmkernels.ops.norm.configs import CONFIGS
 from llmkernels.ops.norm.tables import tuned_name
@@ -61,6 +62,19 @@ def test_every_family_runs_a_candidate(family, tmp_path):
     assert state["searches"]
     for name, search in state["searches"].items():
         assert [tried.get("failed") for tried in search["candidates"]] == [None], name
+
+
+def test_qk_norm_rope_choices_are_read_back(tmp_path):
+    """The QK-norm + RoPE search writes one key a direction, whose record the op's rule reader
+    takes back as its tiles."""
+    out, state = _tune(tmp_path, "--ops", "qk_norm_rope")
+    tuned = _device.read_cache(str(out))
+    for direction in qk.DIRECTIONS:
+        name = qk.tuned_name(direction, 64, 3, 2)
+        assert state["searches"][name]["mode"] == direction
+        chosen = _device.from_record(state["entries"][name]["config"], qk.RECORDS)
+        assert tuned.config(name, qk.RECORDS) == chosen
+        assert chosen.resolve(3, 2, 64).num_warps == chosen.num_warps
 
 
 def test_budget_stops_between_tasks(tmp_path, capsys):

@@ -35,13 +35,9 @@ from ._device import persistent_programs
 from ._launch import PlanCache, launcher_of, use_kernels
 from ._register import Op
 from ._triton import tl, triton
+from .configs.qk_norm_rope import QkNormRopeConfig, qk_norm_rope_config
 # (RoPE's layouts, and its addressing of q and k through their strides in either)
 from .rope import _DIMS, LAYOUTS, _bsh, _unit_last
-
-# Programs a multiprocessor in the backward's persistent grid: enough rows in flight, and few
-# enough programs that their weight-gradient sums are a small write.
-_BWD_PER_SM = 4
-
 
 # --------------------------------------------------------------------------------------------
 # kernels
@@ -177,27 +173,8 @@ def _qk_norm_rope_bwd(DQO, DKO, Q, K, DQ, DK, QR, KR, WQ, WK, COS, SIN, DWQ, DWK
 
 
 # --------------------------------------------------------------------------------------------
-# launch configuration and launchers
+# launchers (their configurations: configs/qk_norm_rope.py)
 # --------------------------------------------------------------------------------------------
-class QkNormRopeConfig(NamedTuple):
-    """A launch's tiles: ``block_t`` tokens a program (or a step of a backward program),
-    ``block_h`` heads a step, ``num_warps``."""
-
-    block_t: int
-    block_h: int
-    num_warps: int
-
-
-def qk_norm_rope_config(hq: int, hk: int, d: int) -> QkNormRopeConfig:
-    """About 1K elements a step (the rows of ``block_h`` heads of ``block_t`` tokens) over 4
-    warps, 8 a thread: compiled for sm_90, the backward then needs 80-90 registers at D = 64-128
-    and no stack, so several programs share a multiprocessor; a 4K tile over 8 warps needs 224-249
-    and spills at D = 64. At most 8 tokens a step: 16 tokens of one head spill too."""
-    block_h = min(next_pow2(max(hq, hk)), max(1, 1024 // next_pow2(d)))
-    block_t = max(1, 1024 // (block_h * next_pow2(d)))
-    return QkNormRopeConfig(min(block_t, 8), block_h, 4)
-
-
 class QkNormRopeOptions(NamedTuple):
     """The options of a call, named once: custom-op schemas, autograd context, plan keys."""
 
@@ -242,18 +219,19 @@ def _table_strides(cos: torch.Tensor) -> tuple:
 
 def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, options: QkNormRopeOptions, *,
-                     config: Optional[QkNormRopeConfig] = None
+                     config: Optional[QkNormRopeConfig] = None, backward_config: Optional[QkNormRopeConfig] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_out, k_out, q_rstd, k_rstd)``: the outputs, contiguous in q's and k's shapes and
     dtypes, and each row's ``rstd`` (float32, ``[tokens, H]`` in ``[B, S]`` order). ``config``:
-    the launch's tiles (tests and tuning), default ``qk_norm_rope_config``'s."""
+    the launch's tiles (tests and tuning), default ``qk_norm_rope_config``'s; ``backward_config``
+    is the eager backward's (kept by the autograd node, unused here)."""
     bsz, seq, hq, hk, d, dims = _sizes(q, k, options)
     q_out, k_out = _contiguous_like(q, k)
     n_tokens = bsz * seq
     q_rstd = q.new_empty((n_tokens, hq), dtype=torch.float32)
     k_rstd = q.new_empty((n_tokens, hk), dtype=torch.float32)
     if n_tokens:
-        config = config or qk_norm_rope_config(hq, hk, d)
+        config = config or qk_norm_rope_config("fwd", hq, hk, d, q.device)
         _FWD[QkNormRopeKey(hq, hk, d, config)](
             (cdiv(n_tokens, config.block_t),), q, k, q_out, k_out, q_rstd, k_rstd, q_weight, k_weight, cos, sin,
             n_tokens, seq, hq, hk, d, options.eps, *_bsh(q, dims), *_bsh(k, dims), *_bsh(q_out, dims),
@@ -274,8 +252,8 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     n_tokens = bsz * seq
     if not n_tokens:
         return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
-    config = config or qk_norm_rope_config(hq, hk, d)
-    programs = min(cdiv(n_tokens, config.block_t), persistent_programs(q.device, _BWD_PER_SM))
+    config = config or qk_norm_rope_config("bwd", hq, hk, d, q.device)
+    programs = min(cdiv(n_tokens, config.block_t), persistent_programs(q.device, config.programs_per_sm))
     dwq = q.new_empty((programs, d), dtype=torch.float32)
     dwk = q.new_empty((programs, d), dtype=torch.float32)
     _BWD[QkNormRopeKey(hq, hk, d, config)](
@@ -305,15 +283,22 @@ def _upstream(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else _unit_last(grad)
 
 
+def _setup(ctx, tensors, options, outputs, backward_config=None, **_):
+    ctx.save_for_backward(*tensors, *outputs[2:])
+    ctx.options, ctx.backward_config = options, backward_config
+
+
 def _backward(ctx, bwd, dq_out, dk_out, *_):
     q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+    # an eager call's backward configuration (tuning); the custom op's backward takes none
+    eager = {"config": ctx.backward_config} if getattr(ctx, "backward_config", None) else {}
     return bwd(_upstream(dq_out, q), _upstream(dk_out, k), q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd,
-               ctx.options)
+               ctx.options, **eager)
 
 
 QK_NORM_ROPE = Op("qk_norm_rope", forward=qk_norm_rope_fwd, backward=_backward, grad_inputs=(0, 1, 2, 3),
-                  returns=2, once_differentiable=True, fake=_fwd_fake, backward_launcher=qk_norm_rope_bwd,
-                  backward_fake=_bwd_fake)
+                  setup=_setup, returns=2, once_differentiable=True, fake=_fwd_fake,
+                  backward_launcher=qk_norm_rope_bwd, backward_fake=_bwd_fake)
 
 
 class _QkvNormRope(torch.autograd.Function):

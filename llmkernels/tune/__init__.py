@@ -1,7 +1,8 @@
 """``llmkernels tune``: search each family's launch configurations on this GPU and write its cache.
 
 For every task (``spaces.py``: the norms' forward and backward at each width, cross-entropy's
-in-place pass and forward at each vocabulary, RoPE) each candidate is checked against the
+in-place pass and forward at each vocabulary, RoPE, QK-norm + RoPE's forward and backward at
+the benchmark's heads and the scaling decoder's) each candidate is checked against the
 op's float64 reference (``bench.runner.Case``), then timed as the benchmark times: CUDA-graph
 replay under ``triton.testing.do_bench``. The fastest becomes the key's configuration where it
 beats the derived heuristic by more than ``MIN_GAIN`` (else the heuristic's stays: noise must
@@ -24,8 +25,9 @@ import sys
 import time
 
 MIN_GAIN = 0.02  # a candidate replaces the heuristic's configuration only this much faster
-FAMILIES = ("norm", "ce", "rope")
-TINY = dict(widths=(256, 1000), vocabs=(9000,), seq=8, norm_rows=5, ce_rows=3, rope_rows=1, limit=2)
+FAMILIES = ("norm", "ce", "rope", "qk_norm_rope")
+TINY = dict(widths=(256, 1000), vocabs=(9000,), seq=8, norm_rows=5, ce_rows=3, rope_rows=1, limit=2,
+            qk_heads=((3, 2, 64, 8, 1),))
 
 
 NO_GPU = """\
@@ -82,7 +84,7 @@ def _ints(text):
 
 def tasks_of(args, model) -> list:
     """The tasks the arguments select, most wanted first: cross-entropy's in-place pass, the
-    norms from the widest rows (backward first), RoPE, cross-entropy's forward."""
+    norms from the widest rows (backward first), RoPE, QK-norm + RoPE, cross-entropy's forward."""
     from . import spaces
 
     tiny = TINY if args.tiny else {}
@@ -96,7 +98,8 @@ def tasks_of(args, model) -> list:
         if "norm" in families else []
     rope = spaces.rope_tasks(tiny.get("seq", spaces.ROPE_SEQ), tiny.get("rope_rows"), limit) \
         if "rope" in families else []
-    return ([t for t in ce if t.part == "split_inplace"] + norm + rope + [t for t in ce if t.part != "split_inplace"])
+    qk = spaces.qk_norm_rope_tasks(tiny.get("qk_heads", spaces.QK_HEADS), limit) if "qk_norm_rope" in families else []
+    return ([t for t in ce if t.part == "split_inplace"] + norm + rope + qk + [t for t in ce if t.part != "split_inplace"])
 
 
 def _state(path: str, model, fresh: bool) -> dict:
@@ -139,7 +142,7 @@ def search(task, device, copy_gbps: float, log) -> dict:
 
     op = ops()[task.op]
     dtype = torch.bfloat16
-    shape = op.shape(task.size, task.rows)
+    shape = task.shape or op.shape(task.size, task.rows)
     case = Case(op, shape, dtype, device, grads=task.mode != "fwd")
     size = op.min_bytes(shape, dtype, task.mode)
     tried = []

@@ -20,9 +20,11 @@ from ..bench.ops_norm import LN_EPS, RMS_EPS
 from ..bench.ops_rope import HK, HQ, D
 from ..ops import _device
 from ..ops.configs import cross_entropy as ce
+from ..ops.configs import qk_norm_rope as qk
 from ..ops.configs import rope
 from ..ops.norm import BwdConfig, FwdConfig, NormConfig, NormKey, SplitBwdConfig, SplitFwdConfig
 from ..ops.norm.tables import BWD_ONE_PASS_MAX, FWD_ONE_PASS_MAX, backward_config, forward_config, row_block, tuned_name
+from ..ops.qk_norm_rope import QK_NORM_ROPE, QkNormRopeOptions
 from ..ops.rope import RopeOptions, rope_launch
 
 NORM_WIDTHS = (1024, 2304, 4096, 5120, 8192, 14336, 18432, 32768, 53248, 65536, 131072)
@@ -31,6 +33,9 @@ ROPE_SEQ = 4096  # RoPE: Llama's heads (bench.ops_rope) at this sequence length
 NORM_ELEMENTS = 2**26  # elements of a norm's x: 128 MiB in bf16, well past the L2 of any GPU
 LOGITS = 2**28  # logits of a cross-entropy case: 512 MiB in bf16
 ROPE_BATCH = 4  # q of 4 x 32 x 4096 x 128: 128 MiB in bf16
+# QK-norm + RoPE: (Hq, Hk, D, S, B) of Llama's and Qwen3-8B's heads (the bench's), and of the
+# scaling decoder at width 384 (q and k of 128 x 512 tokens: 96 MiB in bf16)
+QK_HEADS = ((HQ, HK, D, ROPE_SEQ, ROPE_BATCH), (6, 6, 64, 512, 128))
 DEPTHS = (1, 2, 4)
 NORM_OPS = {"rmsnorm": (True, False), "layernorm": (False, False), "add_rmsnorm": (True, True)}
 
@@ -52,6 +57,7 @@ class Task:
     call: Callable
     part: Optional[str] = None
     mutates: bool = False
+    shape: Optional[dict] = None  # the case's shape where it is not the op's at ``size`` (other heads)
 
     @property
     def name(self) -> str:
@@ -221,3 +227,35 @@ def rope_tasks(seq: int = ROPE_SEQ, rows: Optional[int] = None, limit: int = 0) 
                                        ((2048, 4), (4096, 4), (2048, 8), (4096, 8), (512, 4)))])
     return [Task(rope.tuned_name(D, HQ, HK), "rope", seq, rows or ROPE_BATCH, "fwd", heuristic,
                  candidates[:limit or None], _rope_call)]
+
+
+def _qk_norm_rope_call(direction: str):
+    """``call(tiles)``: a provider of bench op ``qk_norm_rope`` (``[B, S, H, D]``) launching
+    ``direction``'s kernel by the rule ``tiles`` (the other direction by its default)."""
+    def call(tiles: qk.QkNormRopeTiles):
+        def fwd(q, k, q_weight, k_weight, cos, sin):
+            config = tiles.resolve(q.shape[2], k.shape[2], q.shape[3])
+            return QK_NORM_ROPE(q, k, q_weight, k_weight, cos, sin, QkNormRopeOptions(1e-6, "bshd"),
+                                **{"config" if direction == "fwd" else "backward_config": config})
+        return fwd
+    return call
+
+
+def qk_norm_rope_tasks(heads=QK_HEADS, limit: int = 0) -> list:
+    """QK-norm + RoPE's tasks at each of ``heads`` (``(Hq, Hk, D, S, B)``): the forward's tiles
+    and warps, and the backward's with its programs a multiprocessor (the bytes in flight of its
+    persistent grid)."""
+    near = {"fwd": [qk.QkNormRopeTiles(tile, warps) for tile, warps in
+                    ((512, 4), (2048, 4), (2048, 8), (4096, 8), (1024, 2))],
+            "bwd": [qk.QkNormRopeTiles(tile, warps, programs_per_sm=per_sm) for tile, warps, per_sm in
+                    ((1024, 4, 6), (1024, 4, 8), (1024, 4, 16), (512, 4, 8), (512, 2, 16), (2048, 8, 4),
+                     (1024, 4, 2), (2048, 8, 2))]}
+    tasks = []
+    for hq, hk, d, s, b in heads:
+        shape = {"B": b, "Hq": hq, "Hk": hk, "S": s, "D": d}
+        for direction in qk.DIRECTIONS:
+            heuristic = qk.DEFAULT_TILES[direction]
+            candidates = _unique([heuristic, *near[direction]])[:limit or None]
+            tasks.append(Task(qk.tuned_name(direction, d, hq, hk), "qk_norm_rope", s, b, direction, heuristic,
+                              candidates, _qk_norm_rope_call(direction), shape=shape))
+    return tasks

@@ -642,7 +642,7 @@ def test_horizon_and_the_runs_measured_before_decide_what_starts(tmp_path, capsy
     assert sweep.main(["--out", str(out), *MINI, "--list", "--runs-per-device", "2"]) == 0
     left = capsys.readouterr().out.splitlines()[-1]
     assert left.startswith(f"finished in {out}: {MINI_RUNS - 1} of {MINI_RUNS} runs; left: 1 runs") and "finished on cpu" in left
-    assert "with --runs-per-device 2" in left
+    assert "with --runs-per-device 2" in left and f"not less than its longest run, {missing.stem}, takes" in left
     assert sweep.main(["--out", str(out), *MINI, "--time-limit", "600", "--horizon", "0"]) == runner.EXIT_INCOMPLETE
     assert not missing.exists() and "1 run(s) of this stage not finished" in capsys.readouterr().out
     assert sweep.main(["--out", str(out), *MINI, "--time-limit", "0", "--horizon", "600"]) == runner.EXIT_INCOMPLETE

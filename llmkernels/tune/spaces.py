@@ -17,6 +17,7 @@ import torch
 import llmkernels
 
 from ..bench.ops_norm import LN_EPS, RMS_EPS
+from ..bench.ops_qk_norm_rope import EPS as QK_EPS
 from ..bench.ops_rope import HK, HQ, D
 from ..ops import _device
 from ..ops.configs import cross_entropy as ce
@@ -235,7 +236,7 @@ def _qk_norm_rope_call(direction: str):
     def call(tiles: qk.QkNormRopeTiles):
         def fwd(q, k, q_weight, k_weight, cos, sin):
             config = tiles.resolve(q.shape[2], k.shape[2], q.shape[3])
-            return QK_NORM_ROPE(q, k, q_weight, k_weight, cos, sin, QkNormRopeOptions(1e-6, "bshd"),
+            return QK_NORM_ROPE(q, k, q_weight, k_weight, cos, sin, QkNormRopeOptions(QK_EPS, "bshd"),
                                 **{"config" if direction == "fwd" else "backward_config": config})
         return fwd
     return call

@@ -7,10 +7,16 @@ backward's persistent grid its programs a multiprocessor) that makes a call's
 a device's rule: the tuned cache's for these heads (``llmkernels tune --ops qk_norm_rope``), else
 the default of that direction.
 
-The defaults hold about 1K elements a step over 4 warps: compiled for sm_90, the backward then
-needs 80-95 registers at D = 64-128 and no stack; a 4K step over 8 warps needs 224-249 and
-spills at D = 64, and 16 tokens of one head a step spill too. Whether more programs a
-multiprocessor (more bytes in flight) or larger steps pay on a GPU is for the tune to measure.
+The defaults hold about 1K elements a step over 4 warps. What limits these kernels is their
+bytes in flight, and registers limit those: compiled for sm_90 as launched (Triton 3.9 on a
+CPU, ``cuobjdump -res-usage``), each element of a half-row a thread holds costs 25-36 registers
+in the backward (the arithmetic is float32, and the compiler loads k's rows during q's) and
+12-24 in the forward, whatever the tile. At the scaling decoder's 6 heads of 64 the defaults
+hold 2 tokens a step: the backward needs 149 registers (3 programs a multiprocessor, about 1,500
+half-row elements in flight an SM) and the forward 87 (5, 2,560), where one token over 2 warps
+gives 116 and 64 registers (8 and 16 programs, 2,048 and 4,096). So the tune's candidates are
+smaller tiles over fewer warps with more programs a multiprocessor; a prefetch of the next
+block's rows was compiled too and cost more registers (72 to 112) than it added bytes.
 """
 from __future__ import annotations
 

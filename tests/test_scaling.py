@@ -677,6 +677,19 @@ def test_estimate_covers_the_steps_left():
     assert est.seconds(other) == pytest.approx(5.0 * plan.H100.run_seconds(other))
 
 
+def test_estimate_pools_a_shape_before_its_width():
+    """Two runs of one shape: their own median; a shape with fewer but a width with two or more:
+    the width's; so a shallow model's fixed costs are not hidden in a deeper one's ratio."""
+    shallow = next(r for r in _mini_plan() if r.stage == "sweep")
+    deep = dataclasses.replace(shallow, model=dataclasses.replace(shallow.model, n_layers=shallow.model.n_layers + 2))
+    est = plan.Estimator(cuda=True, device="GPU X")
+    for run, ratio in ((shallow, 6.0), (shallow, 8.0), (deep, 2.0)):
+        est.add(run, {"wall_seconds": ratio * plan.H100.run_seconds(run), "device": "GPU X"})
+    assert est.seconds(shallow) == pytest.approx(7.0 * plan.H100.run_seconds(shallow))
+    assert est.seconds(deep) == pytest.approx(6.0 * plan.H100.run_seconds(deep))  # the width's three
+    assert est.ratio() == pytest.approx(6.0)
+
+
 def test_a_run_starts_under_a_horizon_by_the_slow_end_of_its_widths_ratios(tmp_path):
     """The runs of one width measured 2x, 3x and 10x their H100 estimate (how many shared the GPU
     differs): a run is started only if it ends in time at the slow end, where the median would

@@ -226,12 +226,13 @@ class Estimator:
     """Predicted seconds of a run's steps left: ``StepCost`` (an H100's) scaled by a quantile (the
     median unless told) of the ratios of measured to predicted seconds of the runs finished on
     ``device`` (a result's ``device``: in this invocation, or restored: they trained as this sweep
-    trains, so many at once included), of the same width where two or more have finished (the ratio
-    grows as the width shrinks: 2.7-4.9x on an H200 with six at once, from 384 down to 128). None: no
-    guess (CPU before its first run)."""
+    trains, so many at once included): of the same shape (width and depth) where two or more have
+    finished, else of the same width, else of every run. The ratio grows as the model shrinks, in
+    depth too: on an H200 with six at once 2.0x at L10-W384 and 6.3x at L3-W128, where W128's
+    runs together gave 4.2x. None: no guess (CPU before its first run)."""
 
     def __init__(self, cuda: bool, device: str):
-        self.ratios: dict[int, list[float]] = {}
+        self.ratios: dict[tuple[int, int], list[float]] = {}
         self.cuda, self.device = cuda, device
 
     def add(self, run, result: dict):
@@ -239,19 +240,24 @@ class Estimator:
         of another device is no measure of this one."""
         left = run.steps - (result.get("resumed_from_step") or 0)
         if result.get("device") == self.device and result.get("wall_seconds") and left > 0:
-            self.ratios.setdefault(run.model.width, []).append(result["wall_seconds"] / H100.run_seconds(run, left))
+            self.ratios.setdefault((run.model.width, run.model.n_layers), []).append(
+                result["wall_seconds"] / H100.run_seconds(run, left))
 
-    def ratio(self, width: int | None = None, q: float = 0.5) -> float | None:
-        """The ``q`` quantile of the ratios of runs of ``width`` (of every run with fewer than two of it)."""
-        same = self.ratios.get(width, [])
-        pool = same if len(same) >= 2 else [r for rs in self.ratios.values() for r in rs]
+    def ratio(self, model: ModelConfig | None = None, q: float = 0.5) -> float | None:
+        """The ``q`` quantile of the ratios of runs of ``model``'s shape, else of its width (each
+        where two or more finished), else of every run (also for no model)."""
+        pools = []
+        if model is not None:
+            pools.append(self.ratios.get((model.width, model.n_layers), []))
+            pools.append([r for (width, _), rs in self.ratios.items() if width == model.width for r in rs])
+        pool = next((p for p in pools if len(p) >= 2), [r for rs in self.ratios.values() for r in rs])
         return float(np.quantile(pool, q)) if pool else None
 
     def count(self) -> int:
         return sum(len(rs) for rs in self.ratios.values())
 
     def seconds(self, run, done: int = 0, q: float = 0.5) -> float | None:
-        ratio = self.ratio(run.model.width, q)
+        ratio = self.ratio(run.model, q)
         if ratio is None and not self.cuda:
             return None
         return H100.run_seconds(run, run.steps - done) * (1.0 if ratio is None else ratio)

@@ -248,8 +248,8 @@ def print_left(runs, folder: Path, runs_per_device: int, out=print):
         seconds = {r.id: est.seconds(r) for r in left}
         longest = max(seconds, key=seconds.get)
         minutes = max(sum(seconds.values()) / runs_per_device, seconds[longest]) / 60
-        line += (f"; the {est.count()} finished on {device} took {est.ratio():.2f}x that estimate (median; by width "
-                 f"where two or more), so about {minutes:.1f} min of one {device} with --runs-per-device "
+        line += (f"; the {est.count()} finished on {device} took {est.ratio():.2f}x that estimate (median; by shape, else "
+                 f"width, where two or more), so about {minutes:.1f} min of one {device} with --runs-per-device "
                  f"{runs_per_device} (the ratio holds for the concurrency they ran at), not less than its longest "
                  f"run, {longest}, takes: {seconds[longest] / 60:.1f} min, on one machine kept between calls")
     out(line)

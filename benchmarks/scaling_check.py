@@ -17,8 +17,8 @@ gain of running several at once is measured per shape rather than assumed.
 MFU can be compared across attention kernels; a backend that cannot take the model's inputs fails
 loudly.
 
-``--fused-qk-rope``: the model with its QK-norm and rotation in one kernel (``qk_norm_rope``), to
-compare its step with the sweep's.
+``--fused-qk-rope``: the model with its QK-norm and rotation in one kernel (``qk_norm_rope``);
+``--bf16-residual``: its residual stream in bfloat16; each to compare its step with the sweep's.
 
 ``--profile``: where a step's GPU time goes instead, for each shape and batch: the kernels of a few
 eager steps of the kernels backend (the same kernels the graph replays) under ``torch.profiler``,
@@ -31,6 +31,7 @@ clip, casts and copies, the rest) and the ten costliest kernels; ``$OUT/scaling_
     python benchmarks/scaling_check.py --at-once 1,3,6 --shapes 7x128,5x192,10x384 --batches 64
     python benchmarks/scaling_check.py --shapes 8x320,10x384 --batches 64 --eager "" --attention cudnn
     python benchmarks/scaling_check.py --shapes 10x384 --batches 64 --eager "" --fused-qk-rope
+    python benchmarks/scaling_check.py --shapes 10x384 --batches 64 --eager "" --bf16-residual
 """
 import argparse
 import contextlib
@@ -41,6 +42,7 @@ import time
 
 import torch
 
+from llmkernels.scaling.design import model_switches
 from llmkernels.scaling.model import GPT
 from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder, peak_flops
 from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, set_deterministic
@@ -60,14 +62,13 @@ def attention_backend(name: str):
 
 def _header(args, name: str) -> dict:
     """What every JSON this script writes says of the run: card, torch, the model's and kernels' switches."""
-    return {"device": name, "torch": torch.__version__, "qk_norm": args.qk_norm, "fused_qk_rope": args.fused_qk_rope,
+    return {"device": name, "torch": torch.__version__, **model_switches(args),
             "deterministic": not args.nondeterministic, "attention": args.attention}
 
 
 def model_config(args, layers: int, width: int) -> ModelConfig:
     """The shape ``layers x width`` with the command line's vocabulary, sequence and model switches."""
-    return ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, qk_norm=args.qk_norm,
-                       fused_qk_rope=args.fused_qk_rope)
+    return ModelConfig(args.vocab, layers, width, seq_len=args.seq_len, **model_switches(args))
 
 
 def make_stepper(cfg: ModelConfig, batch: int, steps: int, tokens: torch.Tensor, *, backend: str = "kernels",
@@ -215,6 +216,8 @@ def main():
                    help="the sweep's model, with QK-norm (default: on, as the sweep)")
     p.add_argument("--fused-qk-rope", action="store_true",
                    help="the QK-norm and the rotation in one kernel (qk_norm_rope), not the sweep's two ops")
+    p.add_argument("--bf16-residual", action="store_true",
+                   help="the residual stream in bfloat16, not the sweep's float32")
     p.add_argument("--nondeterministic", action="store_true",
                    help="PyTorch's default kernels (the sweep trains with deterministic ones unless told otherwise)")
     p.add_argument("--attention", choices=list(ATTENTION), default="default",

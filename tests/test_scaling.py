@@ -14,6 +14,7 @@ import sys
 import tarfile
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -119,6 +120,43 @@ def test_fused_qk_rope_model_computes_the_same_function(device, monkeypatch):
     assert all(m.fused_qk_rope for m in plan.ladder_models(64, 16, 16, [(2, 32)], qk_norm=True, fused_qk_rope=True))
     with pytest.raises(SystemExit, match="--no-qk-norm"):
         sweep.main(["--list", "--no-qk-norm", "--fused-qk-rope"])
+
+
+def test_bf16_residual_keeps_the_stream_in_the_products_dtype(device):
+    """``bf16_residual``: every norm's residual stream in the compute dtype (bfloat16 here, where
+    it is float32 without the switch), the loss and every gradient of the kernels backend that of
+    the reference within bfloat16's rounding; the switch stays out of a run's record while off and
+    reaches the models from both command lines."""
+    cfg = ModelConfig(vocab_size=64, n_layers=2, width=32, seq_len=16, head_dim=16, qk_norm=True)
+    idx = torch.randint(0, 64, (3, 17), device=device)
+    results = {}
+    for bf16 in (False, True):
+        for backend in ("kernels", "reference"):
+            torch.manual_seed(0)
+            m = GPT(dataclasses.replace(cfg, bf16_residual=bf16), backend=backend,
+                    compute_dtype=torch.bfloat16).to(device)
+            streams = []
+            for norm in (m.blocks[0].attn_norm, m.blocks[1].mlp_norm, m.norm):
+                norm.register_forward_hook(lambda mod, args, out: streams.append(out[1].dtype))
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):  # as the sweep trains
+                loss = m(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            assert set(streams) == {torch.bfloat16 if bf16 else torch.float32}, (bf16, backend, streams)
+            results[bf16, backend] = loss.item(), {n: p.grad.float() for n, p in m.named_parameters()}
+    for bf16 in (False, True):
+        (lk, gk), (lr, gr) = results[bf16, "kernels"], results[bf16, "reference"]
+        assert abs(lk - lr) < 2e-2, bf16
+        for name, g in gr.items():
+            assert g.norm() > 0 and ((gk[name] - g).norm() / g.norm()).item() < 5e-2, (bf16, name)
+    assert results[True, "reference"][0] != results[False, "reference"][0]  # the rounding is another model's
+    assert "bf16_residual" not in cfg.to_dict()
+    assert dataclasses.replace(cfg, bf16_residual=True).to_dict()["bf16_residual"] is True
+    args = sweep.build_parser().parse_args(["--bf16-residual"])
+    assert all(m.bf16_residual for m in design_mod.models_from(args, 64, [(2, 64)]))
+    assert not any(m.bf16_residual for m in design_mod.models_from(sweep.build_parser().parse_args([]), 64, [(2, 64)]))
+    switches = dict(qk_norm=True, fused_qk_rope=False, bf16_residual=True)
+    assert benchmark_script("scaling_check").model_config(
+        types.SimpleNamespace(vocab=64, seq_len=16, **switches), 2, 64).bf16_residual
 
 
 def test_model_rejects_bad_arguments():

@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .plan import (H100, LADDER, HParams, LRRule, ModelConfig, Run, StepCost, budgets, ladder_models, make_run,
-                   parse_batch_rule, parse_ladder, prior_optimal_params, window)
+from .plan import (H100, LADDER, MODEL_SWITCHES, HParams, LRRule, ModelConfig, Run, StepCost, budgets, ladder_models,
+                   make_run, parse_batch_rule, parse_ladder, prior_optimal_params, window)
 
 STAGES = ("lr", "sweep", "seed", "batch", "backend")
 # The seed check's runs train with seed + this, so that a replicate sweep with a nearby --seed
@@ -221,10 +221,14 @@ def design_from(args) -> tuple[Design, HParams, list]:
     return design, hp, ladder
 
 
+def model_switches(args) -> dict:
+    """The command line's model switches (``MODEL_SWITCHES``), as ``ModelConfig`` takes them."""
+    return {name: getattr(args, name) for name in MODEL_SWITCHES}
+
+
 def models_from(args, vocab_size: int, ladder: list) -> list[ModelConfig]:
     """The ladder's models with the command line's sequence length, head size and model switches."""
-    return ladder_models(vocab_size, args.seq_len, args.head_dim, ladder, qk_norm=args.qk_norm,
-                         fused_qk_rope=args.fused_qk_rope)
+    return ladder_models(vocab_size, args.seq_len, args.head_dim, ladder, **model_switches(args))
 
 
 # The lower budgets' N_opt(C) fit places the upper windows as it is only when it is at least this

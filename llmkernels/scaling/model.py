@@ -15,7 +15,8 @@ can hold the step); ``backend="reference"`` computes the same functions with pla
 ``F.cross_entropy`` on the full logits). With ``ModelConfig.fused_qk_rope`` the QK-norm and the
 rotation are one op (``qkv_norm_rope``; its reference is float32 rounded once). On a CPU without Triton's
 interpreter the kernels fall back to the reference: ``ops_run`` says what actually runs. The residual
-stream is float32; matrix products run in ``compute_dtype`` (bfloat16 on GPU).
+stream is float32 (in ``compute_dtype`` with ``ModelConfig.bf16_residual``); matrix products run in
+``compute_dtype`` (bfloat16 on GPU).
 """
 from __future__ import annotations
 
@@ -187,6 +188,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.cfg.seq_len}")
         cos, sin = self.cos[:t], self.sin[:t]
         x, residual = self.wte(idx), None
+        if self.cfg.bf16_residual:  # the embedding's rows start the stream in the products' dtype
+            x = x.to(self.compute_dtype)
         for block in self.blocks:
             x, residual = block(x, residual, cos, sin, self.compute_dtype)
         y, _ = self.norm(x, residual, out_dtype=self.compute_dtype)

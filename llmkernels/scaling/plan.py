@@ -41,7 +41,9 @@ def peak_flops(device_name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
 
 
-_LATER_SWITCHES = ("qk_norm", "fused_qk_rope")
+# the model's switches added after runs were recorded (``ModelConfig``'s booleans; the command
+# lines' ``--qk-norm``, ``--fused-qk-rope``, ``--bf16-residual``)
+MODEL_SWITCHES = ("qk_norm", "fused_qk_rope", "bf16_residual")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class ModelConfig:
     # the QK-norm and the rotation in one kernel (``llmkernels.qk_norm_rope``): a pass and a
     # rounding fewer, so the numerics of another model
     fused_qk_rope: bool = False
+    # the residual stream in the matrix products' dtype (bfloat16 on a GPU), not float32: the
+    # norms move a third fewer bytes, and the sum is rounded at every block
+    bf16_residual: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layers", "width", "seq_len", "head_dim"):
@@ -103,14 +108,16 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         # a switch added after runs were recorded is omitted while off, so those runs keep their keys
-        return {k: v for k, v in asdict(self).items() if k not in _LATER_SWITCHES or v}
+        return {k: v for k, v in asdict(self).items() if k not in MODEL_SWITCHES or v}
 
 
 def ladder_models(vocab_size: int, seq_len: int = SEQ_LEN, head_dim: int = HEAD_DIM, ladder=None,
-                  qk_norm: bool = False, fused_qk_rope: bool = False) -> list[ModelConfig]:
+                  **switches) -> list[ModelConfig]:
+    """The ladder's shapes (``LADDER`` by default) as models, smallest first; ``switches``: of
+    ``MODEL_SWITCHES``."""
     shapes = LADDER if ladder is None else ladder
-    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim, qk_norm=qk_norm,
-                          fused_qk_rope=fused_qk_rope) for n_layers, width in shapes]
+    models = [ModelConfig(vocab_size, n_layers, width, seq_len=seq_len, head_dim=head_dim, **switches)
+              for n_layers, width in shapes]
     return sorted(models, key=ModelConfig.total_params)
 
 

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-qk-rope", action="store_true",
                    help="the QK-norm and the rotation in one kernel (qkv_norm_rope): a pass fewer, one rounding "
                         "fewer, so runs of another model than those without it (default: off)")
+    g.add_argument("--bf16-residual", action="store_true",
+                   help="the residual stream in bfloat16 on a GPU, not float32: the norms move a third fewer bytes "
+                        "and the sum is rounded at every block, so runs of another model (default: off)")
     g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order of every run; "
                    "another value gives an independent replicate (default: %(default)s)")
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",

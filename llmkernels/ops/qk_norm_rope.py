@@ -135,8 +135,8 @@ def _bwd_heads(DO, X, DX, RSTD, W, tok, tok_valid, b, s, c1, s1, c2, s2, H, D, a
         pd = DX + bd + hh * sdh
         tl.store(pd + i, (rstd * (g1 - xh1 * mean)).to(DX.dtype.element_ty), mask=mask)
         tl.store(pd + i + D // 2, (rstd * (g2 - xh2 * mean)).to(DX.dtype.element_ty), mask=mask)
-        acc1 += tl.sum(tl.sum(dy1 * xh1, axis=1), axis=0)
-        acc2 += tl.sum(tl.sum(dy2 * xh2, axis=1), axis=0)
+        acc1 += dy1 * xh1
+        acc2 += dy2 * xh2
     return acc1, acc2
 
 
@@ -149,10 +149,12 @@ def _qk_norm_rope_bwd(DQO, DKO, Q, K, DQ, DK, QR, KR, WQ, WK, COS, SIN, DWQ, DWK
     weight-gradient sums to row p of ``DWQ``/``DWK [programs, D]`` (float32)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    aq1 = tl.zeros([HALF], dtype=tl.float32)
-    aq2 = tl.zeros([HALF], dtype=tl.float32)
-    ak1 = tl.zeros([HALF], dtype=tl.float32)
-    ak2 = tl.zeros([HALF], dtype=tl.float32)
+    # each element's weight-gradient terms summed where they are, and across the tokens and heads
+    # once at the end: a step needs no reduction between warps (shared memory and barriers)
+    aq1 = tl.zeros([BLOCK_T, BLOCK_H, HALF], dtype=tl.float32)
+    aq2 = tl.zeros([BLOCK_T, BLOCK_H, HALF], dtype=tl.float32)
+    ak1 = tl.zeros([BLOCK_T, BLOCK_H, HALF], dtype=tl.float32)
+    ak2 = tl.zeros([BLOCK_T, BLOCK_H, HALF], dtype=tl.float32)
     for block in range(pid, tl.cdiv(n_tokens, BLOCK_T), programs):
         tok = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         tok_valid = tok < n_tokens
@@ -166,10 +168,10 @@ def _qk_norm_rope_bwd(DQO, DKO, Q, K, DQ, DK, QR, KR, WQ, WK, COS, SIN, DWQ, DWK
     i = tl.arange(0, HALF)
     feat = i < D // 2
     row = pid.to(tl.int64) * D
-    tl.store(DWQ + row + i, aq1, mask=feat)
-    tl.store(DWQ + row + i + D // 2, aq2, mask=feat)
-    tl.store(DWK + row + i, ak1, mask=feat)
-    tl.store(DWK + row + i + D // 2, ak2, mask=feat)
+    tl.store(DWQ + row + i, tl.sum(tl.sum(aq1, axis=1), axis=0), mask=feat)
+    tl.store(DWQ + row + i + D // 2, tl.sum(tl.sum(aq2, axis=1), axis=0), mask=feat)
+    tl.store(DWK + row + i, tl.sum(tl.sum(ak1, axis=1), axis=0), mask=feat)
+    tl.store(DWK + row + i + D // 2, tl.sum(tl.sum(ak2, axis=1), axis=0), mask=feat)
 
 
 # --------------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def qk_norm_rope_tasks(heads=QK_HEADS, limit: int = 0) -> list:
     near = {"fwd": [qk.QkNormRopeTiles(tile, warps) for tile, warps in
                     ((512, 2), (1024, 2), (512, 1), (512, 4), (2048, 4), (2048, 8))],
             "bwd": [qk.QkNormRopeTiles(tile, warps, programs_per_sm=per_sm) for tile, warps, per_sm in
-                    ((512, 2, 8), (512, 4, 7), (512, 1, 16), (1024, 2, 8), (1024, 4, 3), (512, 2, 16),
+                    ((512, 2, 8), (512, 4, 8), (512, 1, 16), (1024, 2, 8), (1024, 4, 3), (512, 2, 16),
                      (1024, 4, 8), (2048, 8, 2))]}
     tasks = []
     for hq, hk, d, s, b in heads:

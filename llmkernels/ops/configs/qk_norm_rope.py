@@ -12,11 +12,12 @@ bytes in flight, and registers limit those: compiled for sm_90 as launched (Trit
 CPU, ``cuobjdump -res-usage``), each element of a half-row a thread holds costs 26-37 registers
 in the backward and 14-24 in the forward, whatever the tile (the arithmetic is float32; q and k
 in separate programs saved a fifth). At the scaling decoder's 6 heads of 64 the defaults hold 2
-tokens a step: the backward needs 149 registers (3 programs a multiprocessor, about 1,500
+tokens a step: the backward needs 148 registers (3 programs a multiprocessor, about 1,500
 half-row elements in flight an SM) and the forward 96 (5, 2,560), where one token over 2 warps
-gives 116 and 64 registers (8 and 16 programs, 2,048 and 4,096). So the tune's candidates are
+gives 114 and 64 registers (8 and 16 programs, 2,048 and 4,096). So the tune's candidates are
 smaller tiles over fewer warps with more programs a multiprocessor; a prefetch of the next
-block's rows was compiled too and cost more registers (72 to 112) than it added bytes.
+block's rows was compiled too and cost more registers (40 more at one token over 4 warps) than
+it added bytes.
 """
 from __future__ import annotations
 

@@ -249,10 +249,10 @@ def qk_norm_rope_tasks(heads=QK_HEADS, limit: int = 0) -> list:
     # the bytes in flight first: tiles over fewer warps, and for the backward the programs that
     # fit a multiprocessor (configs/qk_norm_rope.py); then larger tiles, in case the GPU disagrees
     near = {"fwd": [qk.QkNormRopeTiles(tile, warps) for tile, warps in
-                    ((512, 2), (1024, 2), (512, 1), (512, 4), (2048, 4), (2048, 8))],
+                    ((512, 1), (512, 2), (1024, 2), (512, 4), (2048, 4), (2048, 8))],
             "bwd": [qk.QkNormRopeTiles(tile, warps, programs_per_sm=per_sm) for tile, warps, per_sm in
-                    ((512, 2, 8), (512, 4, 8), (512, 1, 16), (1024, 2, 8), (1024, 4, 3), (512, 2, 16),
-                     (1024, 4, 8), (2048, 8, 2))]}
+                    ((1024, 4, 5), (512, 1, 12), (512, 2, 10), (512, 4, 8), (512, 1, 16), (1024, 4, 8),
+                     (1024, 4, 2), (2048, 8, 2))]}
     tasks = []
     for hq, hk, d, s, b in heads:
         shape = {"B": b, "Hq": hq, "Hk": hk, "S": s, "D": d}

@@ -8,16 +8,19 @@ a device's rule: the tuned cache's for these heads (``llmkernels tune --ops qk_n
 the default of that direction.
 
 The defaults hold about 1K elements a step over 4 warps. What limits these kernels is their
-bytes in flight, and registers limit those: compiled for sm_90 as launched (Triton 3.9 on a
-CPU, ``cuobjdump -res-usage``), each element of a half-row a thread holds costs 26-37 registers
-in the backward and 14-24 in the forward, whatever the tile (the arithmetic is float32; q and k
-in separate programs saved a fifth). At the scaling decoder's 6 heads of 64 the defaults hold 2
-tokens a step: the backward needs 148 registers (3 programs a multiprocessor, about 1,500
-half-row elements in flight an SM) and the forward 96 (5, 2,560), where one token over 2 warps
-gives 114 and 64 registers (8 and 16 programs, 2,048 and 4,096). So the tune's candidates are
-smaller tiles over fewer warps with more programs a multiprocessor; a prefetch of the next
-block's rows was compiled too and cost more registers (40 more at one token over 4 warps) than
-it added bytes.
+bytes in flight, and registers limit those. Compiled for sm_90 as launched (Triton 3.9 on a CPU,
+``cuobjdump -res-usage``, the integers specialised as Triton does) at the scaling decoder's 6
+heads of 64, a thread needs 12-20 registers for each element of a half-row it holds in the
+forward and 21-32 in the backward (float32 arithmetic):
+
+- the defaults (2 tokens a step): forward 64 registers, 8 programs a multiprocessor, about 4,100
+  half-row elements in flight; backward 96, where 5 programs would fit but its grid asks for 4
+  (about 2,000);
+- one token over 2 warps: 56 and 96 registers (18 and 10 programs: 4,600 and 2,600);
+- one token over 1 warp: 96 and 168 (21 and 12 programs: 5,400 and 3,100).
+
+So the backward holds about half the forward's bytes in flight, and the tune's candidates give
+it more programs a multiprocessor and smaller tiles over fewer warps.
 """
 from __future__ import annotations
 

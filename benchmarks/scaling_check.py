@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from llmkernels.scaling.design import model_switches
+from llmkernels.scaling.design import add_model_switches, model_switches
 from llmkernels.scaling.model import GPT
 from llmkernels.scaling.plan import BYTE_VOCAB, SEQ_LEN, ModelConfig, parse_ladder, peak_flops
 from llmkernels.scaling.train import Stepper, TrainConfig, autocast_for, set_deterministic
@@ -212,12 +212,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="the GPU time of a step by kernel family instead (see above)")
     p.add_argument("--at-once", metavar="K,...", default=None,
                    help="tokens/s of K runs of each shape side by side instead, each K listed (see above)")
-    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="the sweep's model, with QK-norm (default: on, as the sweep)")
-    p.add_argument("--fused-qk-rope", action="store_true",
-                   help="the QK-norm and the rotation in one kernel (qk_norm_rope), not the sweep's two ops")
-    p.add_argument("--bf16-residual", action="store_true",
-                   help="the residual stream in bfloat16, not the sweep's float32")
+    add_model_switches(p)  # the sweep's flags: its model unless told otherwise
     p.add_argument("--nondeterministic", action="store_true",
                    help="PyTorch's default kernels (the sweep trains with deterministic ones unless told otherwise)")
     p.add_argument("--attention", choices=list(ATTENTION), default="default",

@@ -33,6 +33,7 @@ compilations of each invocation. ``llmkernels scaling --list`` prints it for the
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -219,6 +220,19 @@ def design_from(args) -> tuple[Design, HParams, list]:
     except ValueError as exc:
         raise SystemExit(f"llmkernels scaling: {exc}") from None
     return design, hp, ladder
+
+
+def add_model_switches(group) -> None:
+    """The flags of ``MODEL_SWITCHES``, one definition for every command line that builds the model
+    (``llmkernels scaling``, ``benchmarks/scaling_check.py``)."""
+    group.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
+                       help="RMSNorm of each head's queries and keys (stabilises high learning rates) (default: on)")
+    group.add_argument("--fused-qk-rope", action="store_true",
+                       help="the QK-norm and the rotation in one kernel (qkv_norm_rope): a pass fewer, one rounding "
+                            "fewer, so runs of another model than those without it (default: off)")
+    group.add_argument("--bf16-residual", action="store_true",
+                       help="the residual stream in bfloat16 on a GPU, not float32: the norms move a third fewer "
+                            "bytes and the sum is rounded at every block, so runs of another model (default: off)")
 
 
 def model_switches(args) -> dict:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from . import compare as compare_mod
 from . import data as data_mod
-from .design import SEED_CHECK_OFFSET, Design, design_from, estimate, models_from
+from .design import SEED_CHECK_OFFSET, Design, add_model_switches, design_from, estimate, models_from
 from .plan import BYTE_VOCAB, SEQ_LEN, Estimator, HParams, LRRule
 from .store import read_centres, read_json, read_rule, read_spans, restore
 
@@ -128,14 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head-dim", metavar="N", type=int, default=64, help="attention head size (default: %(default)s)")
     g.add_argument("--backend", choices=("kernels", "reference"), default="kernels",
                    help="kernels: llmkernels' Triton ops; reference: plain PyTorch (default: %(default)s)")
-    g.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="RMSNorm of each head's queries and keys (stabilises high learning rates) (default: on)")
-    g.add_argument("--fused-qk-rope", action="store_true",
-                   help="the QK-norm and the rotation in one kernel (qkv_norm_rope): a pass fewer, one rounding "
-                        "fewer, so runs of another model than those without it (default: off)")
-    g.add_argument("--bf16-residual", action="store_true",
-                   help="the residual stream in bfloat16 on a GPU, not float32: the norms move a third fewer bytes "
-                        "and the sum is rounded at every block, so runs of another model (default: off)")
+    add_model_switches(g)
     g.add_argument("--seed", metavar="N", type=int, default=0, help="model initialisation and data order of every run; "
                    "another value gives an independent replicate (default: %(default)s)")
     g.add_argument("--seed-budgets", default=",".join(map(str, d.seed_budgets)), metavar="I,I",
